@@ -1,0 +1,25 @@
+# The two Quick start commands (README.md): `make run` and `make test`.
+# Both create the virtual environment on first use and are safe to repeat.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of this version is on the development machines' disk; pass
+# TORCH=torch (or another spec) to use what your platform needs.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/decodespec demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest

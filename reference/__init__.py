@@ -1,0 +1,1 @@
+"""The reference engine: runs the spec's stages as a program people use."""

@@ -1,0 +1,236 @@
+"""Conformance harness: which implementation is under test, and what a run reports.
+
+Options (each also an environment variable):
+  --impl MODULE      (DECODESPEC_IMPL)    the module under test; default `kernels`.
+                     With the default, operations `kernels` lacks run as a
+                     self-check of the spec and are listed in the header; a
+                     module named explicitly gets "missing" skips instead.
+  --xfails FILE      (DECODESPEC_XFAILS)  known failures: one test id a line,
+                     `<nodeid>  # reason`.
+  --report FILE      (DECODESPEC_REPORT)  write the clause report (JSON).
+HYPOTHESIS_PROFILE selects ci / dev / thorough (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Triton reads this when its decorators run, so it is set before anything
+# imports the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import settings
+
+from spec import registry
+from tests import repro
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_hypothesis_profiles() -> None:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for name, values in config["tool"]["hypothesis"]["profiles"].items():
+        values = dict(values)
+        if values.get("deadline") == "none":
+            values["deadline"] = None
+        settings.register_profile(name, **values)
+    default = "ci" if os.environ.get("CI") else "dev"
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default))
+
+
+_load_hypothesis_profiles()
+
+
+class Implementation:
+    """The module under test, and how each operation is resolved."""
+
+    def __init__(self, name: str, explicit: bool) -> None:
+        self.name = name
+        self.explicit = explicit
+        self.import_error: str | None = None
+        try:
+            self.module = importlib.import_module(name)
+        except ImportError as error:
+            if explicit:
+                raise pytest.UsageError(f"--impl {name}: cannot import: {error}") from error
+            self.module = None
+            self.import_error = str(error)
+        self.missing = [op for op in registry.OPERATIONS if getattr(self.module, op, None) is None]
+        self.unsupported: dict[str, str] = dict(
+            getattr(self.module, "CONFORMANCE_UNSUPPORTED", {}) or {}
+        )
+        unknown = set(self.unsupported) - set(registry.FEATURES)
+        if unknown:
+            raise pytest.UsageError(
+                f"{name}.CONFORMANCE_UNSUPPORTED names unknown features {sorted(unknown)}; "
+                f"known: {sorted(registry.FEATURES)}"
+            )
+
+    @property
+    def version(self) -> str:
+        version = getattr(self.module, "__version__", None)
+        if version:
+            return str(version)
+        try:
+            return importlib.metadata.version("decodespec")
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    def op(self, name: str):
+        """The implementation's function `name`, or the spec's as a self-check."""
+        if name not in registry.OPERATIONS:
+            raise KeyError(f"{name} is not an operation of the registry")
+        function = getattr(self.module, name, None)
+        if function is None:
+            if self.explicit:
+                pytest.skip(f"{self.name} does not provide operation {name}")
+            function = registry.OPERATIONS[name].reference
+        return repro.recorded(self.source_module(name), name, function)
+
+    def source_module(self, name: str) -> str:
+        if getattr(self.module, name, None) is None:
+            return registry.OPERATIONS[name].module
+        return self.name
+
+    def require(self, feature: str) -> None:
+        """Skip the calling test if the implementation declares `feature` unsupported."""
+        if feature not in registry.FEATURES:
+            raise KeyError(f"unknown feature {feature}")
+        if feature in self.unsupported:
+            pytest.skip(f"{self.name} does not support {feature}: {self.unsupported[feature]}")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("decodespec conformance")
+    group.addoption("--impl", default=None, help="module under test (default: kernels)")
+    group.addoption("--xfails", default=None, help="file of known failures")
+    group.addoption("--report", default=None, help="write the clause report JSON here")
+
+
+def _option(config: pytest.Config, name: str) -> str | None:
+    return config.getoption(name) or os.environ.get(f"DECODESPEC_{name.upper()}") or None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    name = _option(config, "impl")
+    config._decodespec_impl = Implementation(name or "kernels", explicit=name is not None)
+    path = _option(config, "report")
+    if path:
+        config.pluginmanager.register(ClauseReport(path, config._decodespec_impl))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    impl: Implementation = config._decodespec_impl
+    lines = [f"decodespec implementation under test: {impl.name} ({impl.version})"]
+    if impl.import_error:
+        lines.append(f"  {impl.name} could not be imported: {impl.import_error}")
+    if impl.missing:
+        how = "skipped" if impl.explicit else "run as a self-check of the spec"
+        lines.append(f"  missing operations ({how}): {', '.join(impl.missing)}")
+    for feature, reason in impl.unsupported.items():
+        lines.append(f"  unsupported feature {feature}: {reason}")
+    return lines
+
+
+@pytest.fixture(scope="session")
+def impl(pytestconfig: pytest.Config) -> Implementation:
+    return pytestconfig._decodespec_impl
+
+
+def _read_xfails(path: str) -> dict[str, str]:
+    entries: dict[str, str] = {}
+    for line in Path(path).read_text().splitlines():
+        test_id, _, reason = line.partition("#")
+        if test_id.strip():
+            entries[test_id.strip()] = reason.strip() or "listed in the xfails file"
+    return entries
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    path = _option(config, "xfails")
+    if path:
+        xfails = _read_xfails(path)
+        for item in items:
+            if item.nodeid in xfails:
+                item.add_marker(pytest.mark.xfail(reason=xfails[item.nodeid], strict=False))
+    known = registry.clauses()
+    for item in items:
+        for marker in item.iter_markers("clause"):
+            unknown = [c for c in marker.args if c not in known]
+            if unknown:
+                raise pytest.UsageError(f"{item.nodeid} names unknown clauses {unknown}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed and repro.last_calls():
+        report.sections.append(("reproduction", "\n\n".join(repro.last_calls())))
+
+
+@pytest.fixture(autouse=True)
+def _clear_reproductions():
+    repro.clear()
+    yield
+
+
+class ClauseReport:
+    """Collects test outcomes and writes clause -> tests -> outcome as JSON."""
+
+    def __init__(self, path: str, impl: Implementation) -> None:
+        self.path = path
+        self.impl = impl
+        self.outcomes: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or report.outcome != "passed":
+            outcome = report.outcome
+            if hasattr(report, "wasxfail"):
+                outcome = "xfailed" if report.skipped else "xpassed"
+            self.outcomes.setdefault(report.nodeid, outcome)
+            if outcome == "failed":  # a teardown error after a pass still fails the test
+                self.outcomes[report.nodeid] = outcome
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        table = {
+            clause.id: {"text": clause.text, "module": clause.module, "tests": []}
+            for clause in registry.clauses().values()
+        }
+        for item in session.items:
+            ids = [c for marker in item.iter_markers("clause") for c in marker.args]
+            for clause_id in dict.fromkeys(ids):
+                table[clause_id]["tests"].append(
+                    {"nodeid": item.nodeid, "outcome": self.outcomes.get(item.nodeid, "not run")}
+                )
+        impl = self.impl
+        report = {
+            "implementation": {"name": impl.name, "version": impl.version},
+            "missing_operations": impl.missing,
+            "self_checked_operations": [] if impl.explicit else impl.missing,
+            "unsupported_features": impl.unsupported,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "platform": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            },
+            "exit_status": int(exitstatus),
+            "clauses": table,
+        }
+        Path(self.path).write_text(json.dumps(report, indent=2) + "\n")

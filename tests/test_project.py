@@ -1,0 +1,104 @@
+"""Rules of the project itself: the dependency rule, clause coverage, runnable docstrings."""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+from pathlib import Path
+
+import pytest
+
+from spec import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("spec", "kernels", "reference")
+
+# What each package may import from the project (ARCHITECTURE.md, "Dependency rule").
+ALLOWED = {
+    "spec": {"spec"},
+    "kernels": {"kernels"},
+    "reference": {"reference", "spec", "kernels"},
+}
+THIRD_PARTY = {
+    "spec": {"torch"},
+    "kernels": {"torch", "triton"},
+}
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """Top-level names imported by a file (relative imports count as its own package)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [(alias.name.split(".")[0], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level > 0:
+                names.append((path.relative_to(ROOT).parts[0], node.lineno))
+            elif node.module:
+                names.append((node.module.split(".")[0], node.lineno))
+    return names
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_dependency_rule(package):
+    project = set(PACKAGES) | {"tests", "docs"}
+    violations = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for name, line in _imports(path):
+            where = f"{path.relative_to(ROOT)}:{line} imports {name}"
+            if name in project and name not in ALLOWED[package]:
+                violations.append(where)
+            elif package in THIRD_PARTY and name not in project:
+                import sys
+
+                if name not in sys.stdlib_module_names and name not in THIRD_PARTY[package]:
+                    violations.append(where)
+    assert not violations, "dependency rule broken:\n" + "\n".join(violations)
+
+
+def _clause_marks() -> dict[str, list[str]]:
+    """Clause id -> test functions whose clause marker names it (read from the sources)."""
+    marks: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for decorator in node.decorator_list:
+                if (
+                    isinstance(decorator, ast.Call)
+                    and isinstance(decorator.func, ast.Attribute)
+                    and decorator.func.attr == "clause"
+                ):
+                    for arg in decorator.args:
+                        if isinstance(arg, ast.Constant):
+                            marks.setdefault(arg.value, []).append(f"{path.name}::{node.name}")
+    return marks
+
+
+def test_every_clause_has_a_test():
+    marks = _clause_marks()
+    untested = sorted(set(registry.clauses()) - set(marks))
+    assert not untested, f"clauses without a test: {untested}"
+
+
+def test_every_marked_clause_exists():
+    unknown = sorted(set(_clause_marks()) - set(registry.clauses()))
+    assert not unknown, f"tests name clauses the spec does not state: {unknown}"
+
+
+def test_every_operation_names_real_clauses():
+    known = registry.clauses()
+    for op in registry.OPERATIONS.values():
+        assert callable(op.reference), op.name
+        assert set(op.clauses) <= set(known), (op.name, set(op.clauses) - set(known))
+
+
+@pytest.mark.parametrize("module", (*registry.SPEC_MODULES, "spec.registry"))
+def test_docstring_examples_run(module):
+    result = doctest.testmod(
+        importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE
+    )
+    assert result.failed == 0
