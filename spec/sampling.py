@@ -48,14 +48,17 @@ exactly k tokens (a sort followed by a cut, which picks among tied tokens by
 position).
 
 [SAMPLE-TOPP-1] top-p with 0 < p < 1 keeps token i iff
-`Σ_{j : π_j > π_i} π_j < p`, where π is the softmax over the tokens kept so
-far (top-p sees the distribution renormalised after top-k). p = 1 disables
-it: every token is kept, whatever the rounding of the sums.
+`Σ_{j : z_j > z_i} π_j < p`, where π is the softmax over the tokens kept so
+far (top-p sees the distribution renormalised after top-k). "Above" compares
+logits, not probabilities: π is monotone in z, so this is the mass of the
+tokens more likely than i, but two distinct logits whose float32
+probabilities happen to round equal are not a tie. p = 1 disables it: every
+token is kept, whatever the rounding of the sums.
 
 [SAMPLE-TOPP-2] The token whose probability crosses the threshold is kept
-(the mass strictly above it is still below p), and tokens with equal
-probability are kept or dropped together. Differs from the Hugging Face
-warper, which cuts a sorted list and so can split a group of tied tokens.
+(the mass strictly above it is still below p), and tokens with equal logits
+are kept or dropped together. Differs from the Hugging Face warper, which
+cuts a sorted list and so can split a group of tied tokens.
 
 [SAMPLE-MINP-1] min-p with 0 < m <= 1 keeps token i iff `z_i >= z_max + ln m`
 on the scaled logits; m = 0 disables it (ln 0 = −inf). Equivalently
@@ -431,14 +434,15 @@ def _count_greater(values: Tensor) -> Tensor:
     return values.shape[-1] - torch.searchsorted(ascending, values, right=True)
 
 
-def _mass_greater(probs: Tensor) -> Tensor:
-    """For each entry, the total probability of the entries of its row strictly greater.
+def _mass_greater(logits: Tensor, probs: Tensor) -> Tensor:
+    """For each entry, the total probability of the entries whose logit is strictly greater.
 
-    Summed in descending order of probability; tied entries get the same sum.
+    Summed in descending order of logit; tied entries get the same sum.
     """
-    descending = probs.sort(dim=-1, descending=True).values
-    greater = probs.shape[-1] - torch.searchsorted(descending.flip(-1), probs, right=True)
-    cumulative = descending.cumsum(dim=-1)
+    order = logits.argsort(dim=-1, descending=True)
+    cumulative = probs.gather(-1, order).cumsum(dim=-1)
+    greater = _count_greater(logits)
+    # The `greater` entries ranked first are exactly those strictly above (ties rank after).
     mass = cumulative.gather(-1, (greater - 1).clamp(min=0))
     return torch.where(greater > 0, mass, torch.zeros_like(mass))
 
@@ -474,7 +478,7 @@ def top_p_mask(logits: Tensor, top_p: Tensor) -> Tensor:
     z = logits.to(compute_dtype(logits.dtype))
     p = top_p.to(device=z.device, dtype=z.dtype)[:, None]
     probs = softmax(z)
-    return ((p >= 1) | (_mass_greater(probs) < p)) & (z > -math.inf)
+    return ((p >= 1) | (_mass_greater(z, probs) < p)) & (z > -math.inf)
 
 
 def min_p_mask(logits: Tensor, min_p: Tensor) -> Tensor:

@@ -37,10 +37,11 @@ def _count_above(values: Tensor, thresholds: Tensor) -> Tensor:
     return values.shape[-1] - torch.searchsorted(ascending, thresholds.contiguous(), right=True)
 
 
-def _mass_above(probs: Tensor, thresholds: Tensor) -> Tensor:
-    """Σ_{j : probs_j > thresholds_i} probs_j for every i, per row (float64)."""
-    ascending = probs.sort(dim=-1).values
-    suffix = ascending.flip(-1).cumsum(-1).flip(-1)  # suffix[j] = Σ_{l >= j} ascending[l]
+def _mass_above(values: Tensor, weights: Tensor, thresholds: Tensor) -> Tensor:
+    """Σ_{j : values_j > thresholds_i} weights_j for every i, per row (float64)."""
+    ascending, order = values.sort(dim=-1)
+    weights = weights.gather(-1, order)
+    suffix = weights.flip(-1).cumsum(-1).flip(-1)  # suffix[j] = Σ_{l >= j} weights[l]
     suffix = torch.cat([suffix, torch.zeros_like(suffix[:, :1])], dim=-1)
     first_above = torch.searchsorted(ascending, thresholds.contiguous(), right=True)
     return suffix.gather(-1, first_above)
@@ -59,16 +60,16 @@ def top_k(scaled: Tensor, k: Tensor, rel: float) -> Kept:
 
 
 def top_p(scaled: Tensor, allowed: Tensor, p: Tensor, rel: float, mass_margin: float) -> Kept:
-    """top-p over the tokens in `allowed`: keep i iff Σ_{π_j > π_i} π_j < p.
+    """top-p over the tokens in `allowed`: keep i iff Σ_{j : z_j > z_i} π_j < p.
 
-    Each π_i is blurred by rel·π_i, each mass by `mass_margin`.
+    Each z_i is blurred by rel·max(1, |z_i|), each mass by `mass_margin`.
     """
     z = scaled.double().masked_fill(~allowed, NEG_INF)
     probs = torch.softmax(z, dim=-1)
     p = p.double()[:, None]
-    tol = rel * probs
-    low = _mass_above(probs, probs + tol)  # fewest tokens counted above
-    high = _mass_above(probs, probs - tol)  # most tokens counted above
+    tol = rel * z.abs().clamp(min=1).masked_fill(~allowed, 0)
+    low = _mass_above(z, probs, z + tol)  # fewest tokens counted above
+    high = _mass_above(z, probs, z - tol)  # most tokens counted above
     off = p >= 1
     strict = (off | (high + mass_margin < p)) & allowed
     loose = (off | (low - mass_margin < p)) & allowed
