@@ -1,6 +1,8 @@
-"""Deliberately wrong implementations: each module breaks one clause.
+"""Implementations for testing the suite itself.
 
-`tests/test_mutants.py` runs the conformance suite against each of them
-(`--impl tests.mutants.<name>`) and requires the tests of that clause to fail,
-which shows that those tests can fail.
+Each module but one breaks one clause on purpose: `tests/test_mutants.py` runs
+the conformance suite against each (`--impl tests.mutants.<name>`) and requires
+the tests of that clause to fail, which shows those tests can fail.
+`partial_bfloat16_unsupported` is correct but partial: `tests/test_harness.py`
+uses it to check how missing operations and unsupported features are reported.
 """
