@@ -1,54 +1,170 @@
-"""Command line: `decodespec demo` shows the sampling stage on example logits."""
+"""decodespec command line.
+
+`decodespec generate PROMPT` streams a completion from the bundled
+SmolLM2-135M-Instruct (or `--model PATH`); `decodespec demo` shows the
+sampling stage on example logits.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
+from spec.forward import ModelWeights
 from spec.sampling import SamplingParams, process_logits, sample, sampling_tensors
 from spec.softmax import softmax
+
+from . import loader
+from .engine import Engine, RequestOutput
+from .model_files import bundled_model_path
+from .tokenizer import Tokenizer
+
+# ---------------------------------------------------------------- loading
+
+
+def load_model(path: str | None) -> tuple[ModelWeights, Tokenizer]:
+    """The model at `path` (default: bundled), with progress on stderr."""
+    model = Path(path) if path is not None else bundled_model_path()
+    start = time.perf_counter()
+    live = sys.stderr.isatty()  # redraw one status line on a terminal, else stay quiet
+
+    def report(message: str) -> None:
+        if live:
+            print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+
+    report(f"loading {model.name} ...")
+    weights, tokenizer = loader.load_model(model, progress=report)
+    end = "\r\033[K" if live else ""
+    print(f"{end}loaded {model.name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return weights, tokenizer
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str, raw: bool) -> list[int]:
+    """The prompt's token ids, wrapped in the model's chat template unless `raw`."""
+    if raw or tokenizer.chat_template is None:
+        return tokenizer.encode(prompt)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------- generate
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        top_logprobs=args.logprobs,
+    )
+
+
+def _output_json(out: RequestOutput, show_logprobs: bool) -> dict:
+    result = {
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "seed": out.seed,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "ttft_s": out.ttft_s,
+        "tokens_per_s": out.tokens_per_s,
+    }
+    if out.error:
+        result["error"] = out.error
+    if show_logprobs and out.logprobs is not None:
+        result["logprobs"] = [
+            {**asdict(lp), "top": [{"token_id": t, "logprob": p} for t, p in lp.top]}
+            for lp in out.logprobs
+        ]
+    return result
+
+
+def _show_step(tokenizer: Tokenizer, token: int, candidates: list[tuple[int, float]]) -> str:
+    """One line of the token probability viewer: the candidates, the chosen one marked."""
+    cells = []
+    for token_id, prob in candidates:
+        mark = "▶" if token_id == token else " "
+        cells.append(
+            f"{mark}{tokenizer.decode([token_id], skip_special_tokens=False)!r} {prob:6.1%}"
+        )
+    if token not in [t for t, _ in candidates]:
+        cells.append(f"▶{tokenizer.decode([token], skip_special_tokens=False)!r}")
+    return "  ".join(cells)
+
+
+def generate(args: argparse.Namespace) -> int:
+    params = _params(args)  # invalid parameters fail before the model loads
+    weights, tokenizer = load_model(args.model)
+    engine = Engine(
+        weights,
+        tokenizer,
+        backend=args.backend,
+        naive=args.naive,
+        show_probs=args.show_probs,
+    )
+    ids = prompt_ids(tokenizer, args.prompt, args.raw)
+    request_id = None
+    for event in engine.generate(ids, params):
+        request_id = event.request_id
+        if args.json:
+            continue
+        if args.show_probs:
+            if event.token_id is not None and event.candidates is not None:
+                print(_show_step(tokenizer, event.token_id, event.candidates), flush=True)
+        else:
+            print(event.text, end="", flush=True)
+    assert request_id is not None
+    out = engine.output(request_id)
+    if args.json:
+        print(json.dumps(_output_json(out, args.logprobs is not None)))
+    else:
+        if args.show_probs:
+            print(f"\n{out.text}")
+        else:
+            print()
+        if out.logprobs:
+            for lp in out.logprobs:
+                token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
+                print(f"{token!r:>16} logprob {lp.logprob:8.4f} rank {lp.rank}", file=sys.stderr)
+        rate = f"{out.tokens_per_s:.1f} tokens/s" if out.tokens_per_s else "- tokens/s"
+        ttft = f"{out.ttft_s:.2f} s" if out.ttft_s is not None else "-"
+        print(
+            f"[{out.completion_tokens} tokens, finish: {out.finish_reason}, seed: {out.seed}, "
+            f"TTFT {ttft}, {rate}, backend {args.backend}{', naive' if args.naive else ''}]",
+            file=sys.stderr,
+        )
+        if out.error:
+            print(f"decodespec: error: {out.error}", file=sys.stderr)
+    return 1 if out.error else 0
+
+
+# ---------------------------------------------------------------- demo
 
 # A made-up next-token distribution after "The capital of France is": a few
 # likely continuations and a long tail, enough to see each filter act.
 EXAMPLE_TOKENS = [
-    " Paris",
-    " a",
-    " the",
-    " located",
-    " known",
-    " not",
-    " one",
-    " home",
-    " famous",
-    " also",
-    " Lyon",
-    " called",
-    " in",
-    " very",
-    " Marseille",
-    " beautiful",
-]
+    " Paris", " a", " the", " located", " known", " not", " one", " home",
+    " famous", " also", " Lyon", " called", " in", " very", " Marseille", " beautiful",
+]  # fmt: skip
 EXAMPLE_LOGITS = [
-    6.9,
-    6.3,
-    6.0,
-    5.2,
-    4.9,
-    4.1,
-    3.8,
-    3.5,
-    3.5,
-    3.3,
-    2.6,
-    2.4,
-    2.2,
-    1.9,
-    1.5,
-    1.1,
-]
+    6.9, 6.3, 6.0, 5.2, 4.9, 4.1, 3.8, 3.5, 3.5, 3.3, 2.6, 2.4, 2.2, 1.9, 1.5, 1.1,
+]  # fmt: skip
 
 
 def demo(params: SamplingParams, draws: int) -> str:
@@ -59,8 +175,9 @@ def demo(params: SamplingParams, draws: int) -> str:
         [params], vocab_size=vocab, prompt_token_ids=[[0]], output_token_ids=[[]]
     )
     raw = softmax(logits)[0]
-    filtered_args = {k: v for k, v in tensors.items() if k != "seed"}
-    filtered = softmax(process_logits(logits, **filtered_args))[0]
+    filtered = softmax(process_logits(logits, **{k: v for k, v in tensors.items() if k != "seed"}))[
+        0
+    ]
     lines = [
         f"temperature={params.temperature} top_k={params.top_k} top_p={params.top_p} "
         f"min_p={params.min_p} seed={params.seed}",
@@ -78,9 +195,37 @@ def demo(params: SamplingParams, draws: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="decodespec", description=__doc__)
+# ---------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decodespec", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text from a prompt, streamed")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", help="GGUF file or Hugging Face directory (default: bundled)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, help="default: drawn, and reported")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--logprobs", type=int, metavar="N", help="logprobs with the top N (0-20)")
+    gen.add_argument("--backend", choices=("spec", "triton"), default="spec")
+    gen.add_argument("--naive", action="store_true", help="no KV cache: recompute every step")
+    gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.add_argument(
+        "--show-probs", type=int, default=0, metavar="N", help="show the top N candidates per step"
+    )
+    gen.set_defaults(run=generate)
+
     show = commands.add_parser("demo", help="the sampling stage on example logits")
     show.add_argument("--temperature", type=float, default=1.0)
     show.add_argument("--top-k", type=int, default=0)
@@ -88,19 +233,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("--min-p", type=float, default=0.0)
     show.add_argument("--seed", type=int, default=0)
     show.add_argument("--draws", type=int, default=12)
-    args = parser.parse_args(argv)
-    try:
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            seed=args.seed,
-        )
-    except ValueError as error:
-        parser.error(str(error))
+    show.set_defaults(run=_demo)
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
     print(demo(params, args.draws))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as error:
+        # Bad input is the user's to fix: a clear message, no traceback.
+        print(f"decodespec: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -24,7 +24,15 @@ from typing import Literal
 
 import torch
 
-SPEC_MODULES = ("spec.softmax", "spec.logits", "spec.sampling", "spec.stop")
+SPEC_MODULES = (
+    "spec.softmax",
+    "spec.logits",
+    "spec.sampling",
+    "spec.stop",
+    "spec.attention",
+    "spec.append",
+    "spec.forward",
+)
 
 _CLAUSE = re.compile(r"^\[([A-Z0-9]+(?:-[A-Z0-9]+)*-\d+)\]\s+(.*)$")
 
@@ -164,6 +172,29 @@ OPERATIONS: dict[str, Operation] = {
                 rtol={torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3},
                 margin=2.0**-20,
             ),
+        ),
+        _op(
+            "paged_attention",
+            "attention",
+            (
+                "ATTN-LAYOUT-1",
+                "ATTN-PACK-1",
+                "ATTN-CAUSAL-1",
+                "ATTN-SCALE-1",
+                "ATTN-GQA-1",
+                "ATTN-DTYPE-1",
+                "ATTN-LSE-1",
+                "ATTN-EMPTY-1",
+                "ATTN-BOUNDS-1",
+                "ATTN-VALID-1",
+            ),
+            RELATIVE,
+        ),
+        _op(
+            "append_kv",
+            "append",
+            ("APPEND-SLOT-1", "APPEND-SKIP-1", "APPEND-STATE-1", "APPEND-VALID-1"),
+            EXACT,
         ),
     )
 }

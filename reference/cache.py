@@ -1,0 +1,97 @@
+"""The paged KV cache and its block allocator.
+
+The cache of each layer is one tensor of fixed-size blocks,
+`[num_blocks, block_size, num_kv_heads, head_dim]` (SEMANTICS.md, "Attention
+with a KV cache"). A sequence owns a list of blocks, so sequences of any
+length share one pool without fragmentation, and a finished sequence's blocks
+go straight back to the pool for the next request.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from spec.forward import ModelConfig
+
+
+class CacheFullError(RuntimeError):
+    """The pool has fewer free blocks than a request needs."""
+
+
+class BlockAllocator:
+    """A free list of block indices.
+
+    Example:
+        >>> pool = BlockAllocator(4)
+        >>> blocks = pool.allocate(3)
+        >>> pool.num_free
+        1
+        >>> pool.free(blocks); pool.num_free
+        4
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        # Reused blocks come back first: a block a request just freed is still warm.
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` blocks; raise CacheFullError (taking none) if there are fewer."""
+        if count > len(self._free):
+            raise CacheFullError(
+                f"the KV cache needs {count} more blocks but only {len(self._free)} of "
+                f"{self.num_blocks} are free"
+            )
+        taken = [self._free.pop() for _ in range(count)]
+        return taken
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the pool."""
+        if any(not 0 <= b < self.num_blocks for b in blocks) or len(set(blocks)) != len(blocks):
+            raise ValueError(f"cannot free blocks {blocks}: out of range or repeated")
+        free = set(self._free)
+        if free.intersection(blocks):
+            raise ValueError(f"blocks {sorted(free.intersection(blocks))} are already free")
+        self._free.extend(reversed(blocks))
+
+
+class PagedKVCache:
+    """Per-layer K and V block pools and the allocator that hands out their blocks."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.layers: list[tuple[Tensor, Tensor]] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(config.num_layers)
+        ]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """How many blocks hold `num_tokens` positions."""
+        return -(-num_tokens // self.block_size)
+
+    def slots(self, blocks: list[int], start: int, count: int) -> list[int]:
+        """Flat slots (block · block_size + offset) of positions start .. start + count − 1."""
+        size = self.block_size
+        return [blocks[p // size] * size + p % size for p in range(start, start + count)]
