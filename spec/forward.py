@@ -174,11 +174,17 @@ def rope_inverse_frequencies(config: ModelConfig, dtype: torch.dtype) -> Tensor:
     return torch.where(medium, interpolated, scaled)
 
 
-def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    """Rotate `x` `[tokens, heads, head_dim]` by its positions `[tokens]` (FWD-ROPE-1)."""
-    angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # [tokens, d/2]
-    cos = angles.cos()[:, None, :].to(x.dtype)
-    sin = angles.sin()[:, None, :].to(x.dtype)
+def rope_angles(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of each token's rotation angles, `[tokens, 1, head_dim / 2]` (FWD-ROPE-1).
+
+    Computed once per forward pass and shared by every layer.
+    """
+    angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+    return angles.cos()[:, None, :].to(dtype), angles.sin()[:, None, :].to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the halves of `x` `[tokens, heads, head_dim]` by the angles (FWD-ROPE-1)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -197,19 +203,21 @@ def decoder_layer(
     layer: LayerWeights,
     config: ModelConfig,
     x: Tensor,
-    positions: Tensor,
-    inv_freq: Tensor,
+    rope: tuple[Tensor, Tensor],
     attend: Attend,
 ) -> Tensor:
-    """One pre-norm decoder layer (FWD-ATTN-1, FWD-MLP-1, FWD-LAYER-1)."""
+    """One pre-norm decoder layer (FWD-ATTN-1, FWD-MLP-1, FWD-LAYER-1).
+
+    `rope` is the (cos, sin) pair of `rope_angles` for the tokens of `x`.
+    """
     tokens = x.shape[0]
     d = config.head_dim
     h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
     q = _linear(h, layer.q_proj, layer.q_bias).view(tokens, config.num_heads, d)
     k = _linear(h, layer.k_proj, layer.k_bias).view(tokens, config.num_kv_heads, d)
     v = _linear(h, layer.v_proj, layer.v_bias).view(tokens, config.num_kv_heads, d)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, *rope)
+    k = apply_rope(k, *rope)
     attention = attend(index, q, k, v).reshape(tokens, config.num_heads * d)
     x = x + _linear(attention, layer.o_proj)
     h = rms_norm(x, layer.mlp_norm, config.rms_norm_eps)
@@ -235,10 +243,10 @@ def forward_hidden(
     ):
         raise ValueError(f"token_ids must be in [0, {config.vocab_size})")
     inv_freq = rope_inverse_frequencies(config, torch.promote_types(weights.dtype, torch.float32))
-    inv_freq = inv_freq.to(weights.device)
+    rope = rope_angles(positions, inv_freq.to(weights.device), weights.dtype)
     x = weights.embedding[token_ids]
     for index, layer in enumerate(weights.layers):
-        x = decoder_layer(index, layer, config, x, positions, inv_freq, attend)
+        x = decoder_layer(index, layer, config, x, rope, attend)
     return rms_norm(x, weights.final_norm, config.rms_norm_eps)
 
 

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-_CALLS: list[str] = []
+# The last few calls of the running test, as (module, name, args, kwargs); the
+# source text is only written when a test fails (it is slow for large tensors).
+_CALLS: list[tuple[str, str, tuple, dict]] = []
 _KEEP = 3  # the last few calls are enough to rerun a failure
 
 
@@ -23,7 +25,25 @@ def clear() -> None:
 
 
 def last_calls() -> list[str]:
-    return list(_CALLS)
+    """The recorded calls of the running test, as Python snippets."""
+    snippets = []
+    for module, name, args, kwargs in _CALLS:
+        arguments = [source(a) for a in args] + [f"{k}={source(v)}" for k, v in kwargs.items()]
+        snippets.append(
+            f"import torch\nfrom {module} import {name}\n{name}({', '.join(arguments)})"
+        )
+    return snippets
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of tensors (an operation may write into its arguments, e.g. a cache)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
 
 
 def _number(x: float | int | bool) -> str:
@@ -66,8 +86,7 @@ def recorded(module: str, name: str, function: Callable) -> Callable:
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
-        arguments = [source(a) for a in args] + [f"{k}={source(v)}" for k, v in kwargs.items()]
-        _CALLS.append(f"import torch\nfrom {module} import {name}\n{name}({', '.join(arguments)})")
+        _CALLS.append((module, name, _snapshot(args), _snapshot(kwargs)))
         del _CALLS[:-_KEEP]
         return function(*args, **kwargs)
 
