@@ -292,6 +292,7 @@ class Engine:
 
     # -- one step of the loop
 
+    @torch.inference_mode()  # no autograd bookkeeping on any op of the loop
     def step(self) -> list[Event]:
         """Admit waiting requests, run one forward pass, sample, check stops."""
         events: list[Event] = []

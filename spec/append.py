@@ -71,6 +71,8 @@ def _check_append_args(
             f"[0, {num_slots}) (num_blocks {num_blocks} × block_size {block_size})"
         )
     slots = slot_mapping[slot_mapping >= 0]
+    if slots.numel() < 2:
+        return
     unique, counts = slots.unique(return_counts=True)
     if bool((counts > 1).any()):
         raise ValueError(
@@ -80,7 +82,13 @@ def _check_append_args(
 
 
 def append_kv(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    validate: bool = True,
 ) -> None:
     """Write each token's key and value to its slot of the paged cache, in place.
 
@@ -94,6 +102,9 @@ def append_kv(
         v_cache: same shape and dtype as `k_cache`, written in place.
         slot_mapping: `[num_tokens]` int32/int64, flat slot
             `block · block_size + offset` of each token, −1 to skip it.
+        validate: check the arguments (APPEND-VALID-1); a caller appending
+            many layers with one slot mapping checks it once. Unchecked bad
+            arguments are undefined behaviour.
 
     Returns:
         None: the caches are the output.
@@ -113,10 +124,13 @@ def append_kv(
         >>> k_cache.flatten(), v_cache.flatten()
         (tensor([3., nan, nan, 1.]), tensor([-3., nan, nan, -1.]))
     """
-    _check_append_args(key, value, k_cache, v_cache, slot_mapping)
-    block_size = k_cache.shape[1]
+    if validate:
+        _check_append_args(key, value, k_cache, v_cache, slot_mapping)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     kept = slot_mapping >= 0  # APPEND-SKIP-1
     slots = slot_mapping[kept].to(torch.int64)
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[kept].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[kept].to(v_cache.dtype)
+    # Slot s is row s of the cache viewed as [num_blocks · block_size, heads, dim]:
+    # block s // block_size, offset s % block_size (APPEND-SLOT-1).
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        flat.index_copy_(0, slots, rows[kept].to(cache.dtype))

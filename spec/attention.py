@@ -143,6 +143,8 @@ def check_cache_pair(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, i
         raise ValueError(f"v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
     if v_cache.device != k_cache.device:
         raise ValueError(f"v_cache is on {v_cache.device}, k_cache on {k_cache.device}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (slots are rows of a flat view)")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if block_size < 1 or num_kv_heads < 1 or head_dim < 1:
         raise ValueError(
@@ -226,35 +228,29 @@ def _check_attention_args(
                 f"query_start gives sequence {b} {q_len} query rows, more than its "
                 f"seq_lens[{b}] = {lens[b]} positions"
             )
-    for b, n in enumerate(lens):
-        used = block_table[b, : -(-n // block_size)]  # ceil(n / block_size)
-        bad = (used < 0) | (used >= num_blocks)
-        if bool(bad.any()):
-            j = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"block_table[{b}, {j}] = {int(used[j])} must be in [0, {num_blocks}) "
-                f"(sequence {b} has {n} positions in blocks of {block_size})"
-            )
+    # The entries that are read: the first ceil(seq_len / block_size) of each row.
+    used = torch.arange(max_blocks, device=q.device)[None, :] * block_size < seq_lens[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(block_table[b, j])} must be in [0, {num_blocks}) "
+            f"(sequence {b} has {lens[b]} positions in blocks of {block_size})"
+        )
     return lens, starts
 
 
-def gather_sequence(cache: Tensor, block_table_row: Tensor, seq_len: int) -> Tensor:
-    """The rows of positions 0..seq_len−1 of one sequence, contiguous (ATTN-LAYOUT-1).
+def sequence_slots(block_table_row: Tensor, seq_len: int, block_size: int) -> Tensor:
+    """Flat cache slots of positions 0..seq_len−1 of one sequence (ATTN-LAYOUT-1).
 
-    Reads only those positions (ATTN-BOUNDS-1).
-
-    Args:
-        cache: `[num_blocks, block_size, num_kv_heads, head_dim]`.
-        block_table_row: `[max_blocks_per_seq]` int, the sequence's blocks.
-        seq_len: the number of positions to gather.
-
-    Returns:
-        `[seq_len, num_kv_heads, head_dim]`, `cache`'s dtype.
+    Position j lives in block `block_table_row[j // block_size]` at offset
+    `j % block_size`, that is at flat slot `block · block_size + offset` of
+    the cache viewed as `[num_blocks · block_size, num_kv_heads, head_dim]`.
+    Only the table entries of those positions are read (ATTN-BOUNDS-1).
     """
-    block_size = cache.shape[1]
-    positions = torch.arange(seq_len, device=cache.device)
-    blocks = block_table_row.to(torch.int64)[positions // block_size]
-    return cache[blocks, positions % block_size]
+    used_blocks = block_table_row[: -(-seq_len // block_size)].to(torch.int64)
+    offsets = torch.arange(block_size, device=block_table_row.device)
+    return (used_blocks[:, None] * block_size + offsets).flatten()[:seq_len]
 
 
 def paged_attention(
@@ -267,6 +263,7 @@ def paged_attention(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    validate: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal attention of packed queries over a paged KV cache.
 
@@ -286,6 +283,9 @@ def paged_attention(
             rows in `q`.
         scale: multiplies the dot products; `1 / sqrt(head_dim)` if None.
         return_lse: also return the log-sum-exp of each row's scaled scores.
+        validate: check the arguments (ATTN-VALID-1). A caller that runs many
+            layers over one batch layout checks it once and passes False for
+            the other layers; unchecked bad arguments are undefined behaviour.
 
     Returns:
         `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; with
@@ -313,40 +313,57 @@ def paged_attention(
         >>> lse[:, 0]
         tensor([0.0000, 0.6931])
     """
-    lens, starts = _check_attention_args(
-        q, k_cache, v_cache, block_table, seq_lens, query_start, scale
-    )
+    if validate:
+        lens, starts = _check_attention_args(
+            q, k_cache, v_cache, block_table, seq_lens, query_start, scale
+        )
+    else:
+        lens, starts = seq_lens.tolist(), query_start.tolist()
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     acc = compute_dtype(q.dtype)
-    # ATTN-GQA-1: the KV head each query head reads.
-    kv_head = torch.arange(num_q_heads, device=q.device) // (num_q_heads // num_kv_heads)
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
 
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=acc, device=q.device)
-    lse = torch.full((num_tokens, num_q_heads), -math.inf, dtype=acc, device=q.device)
+    lse = torch.full(
+        (num_tokens, num_q_heads) if return_lse else (0,), -math.inf, dtype=acc, device=q.device
+    )
     for b, seq_len in enumerate(lens):
         start, end = starts[b], starts[b + 1]
         q_len = end - start
         if q_len == 0 or seq_len == 0:  # no rows, or no keys (ATTN-EMPTY-1): zeros, −inf
             continue
-        keys = gather_sequence(k_cache, block_table[b], seq_len)[:, kv_head].to(acc)
-        values = gather_sequence(v_cache, block_table[b], seq_len)[:, kv_head].to(acc)
-        queries = q[start:end].to(acc)  # [q_len, num_q_heads, head_dim]
+        slots = sequence_slots(block_table[b], seq_len, block_size)
+        # [num_kv_heads, seq_len, head_dim]: only this sequence's positions are read.
+        keys = flat_k.index_select(0, slots).to(acc).transpose(0, 1)
+        values = flat_v.index_select(0, slots).to(acc).transpose(0, 1)
+        # ATTN-GQA-1: query head h = kv · group + g reads KV head kv = h // group, so
+        # the group's query heads (of every row) form the rows of one matmul per KV head.
+        queries = q[start:end].to(acc).view(q_len, num_kv_heads, group, head_dim)
+        queries = queries.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
 
-        # s[h, r, j] = scale · (q_r · k_j) for head h, query row r, position j.
-        scores = scale * torch.einsum("rhd,jhd->hrj", queries, keys)
-        row_position = seq_len - q_len + torch.arange(q_len, device=q.device)
-        key_position = torch.arange(seq_len, device=q.device)
-        visible = key_position[None, :] <= row_position[:, None]  # ATTN-CAUSAL-1
-        scores = scores.masked_fill(~visible, -math.inf)
+        # s[kv, g·q_len + r, j] = scale · (q_r,h · k_j,kv)
+        scores = scale * (queries @ keys.transpose(1, 2))
+        if q_len > 1:  # a single row (decode) sits at the last position and sees them all
+            row_position = seq_len - q_len + torch.arange(q_len, device=q.device)
+            key_position = torch.arange(seq_len, device=q.device)
+            visible = key_position[None, :] <= row_position[:, None]  # ATTN-CAUSAL-1
+            scores = scores.masked_fill(~visible.repeat(group, 1), -math.inf)
 
-        row_max = scores.amax(dim=-1, keepdim=True)  # finite: every row sees position 0
-        weights = (scores - row_max).exp()
-        total = weights.sum(dim=-1, keepdim=True)
-        out[start:end] = torch.einsum("hrj,jhd->rhd", weights / total, values)
-        lse[start:end] = (row_max + total.log())[..., 0].T
+        probs = scores.softmax(dim=-1)  # max-subtracted: exp never overflows (ATTN-SCALE-1)
+        rows = probs @ values  # [num_kv_heads, group · q_len, head_dim]
+        out[start:end] = (
+            rows.view(num_kv_heads, group, q_len, head_dim)
+            .permute(2, 0, 1, 3)
+            .reshape(q_len, num_q_heads, head_dim)
+        )
+        if return_lse:  # ATTN-LSE-1; finite: every row sees position 0
+            row_lse = torch.logsumexp(scores, dim=-1).view(num_kv_heads, group, q_len)
+            lse[start:end] = row_lse.permute(2, 0, 1).reshape(q_len, num_q_heads)
 
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -146,9 +146,13 @@ class ModelWeights:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dimension (FWD-NORM-1)."""
+    """RMSNorm over the last dimension (FWD-NORM-1).
+
+    `F.rms_norm` computes `x / sqrt(mean(x²) + ε)`; it runs on the float32
+    upcast, and the weight multiplies after the cast back to x's dtype.
+    """
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    normed = torch.nn.functional.rms_norm(x32, (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
 
 
@@ -216,8 +220,10 @@ def decoder_layer(
     q = _linear(h, layer.q_proj, layer.q_bias).view(tokens, config.num_heads, d)
     k = _linear(h, layer.k_proj, layer.k_bias).view(tokens, config.num_kv_heads, d)
     v = _linear(h, layer.v_proj, layer.v_bias).view(tokens, config.num_kv_heads, d)
-    q = apply_rope(q, *rope)
-    k = apply_rope(k, *rope)
+    # q and k rotate by the same angles: one call over their heads side by side.
+    q, k = apply_rope(torch.cat([q, k], dim=1), *rope).split(
+        [config.num_heads, config.num_kv_heads], dim=1
+    )
     attention = attend(index, q, k, v).reshape(tokens, config.num_heads * d)
     x = x + _linear(attention, layer.o_proj)
     h = rms_norm(x, layer.mlp_norm, config.rms_norm_eps)
@@ -336,8 +342,18 @@ def forward_cached(
 
     def attend(index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = kv_cache[index]
-        append(k, v, k_cache, v_cache, batch.slot_mapping)
-        return attention(q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.query_start)
+        # Every layer shares the batch layout and cache shape: check them at the first.
+        check = index == 0
+        append(k, v, k_cache, v_cache, batch.slot_mapping, validate=check)
+        return attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start,
+            validate=check,
+        )
 
     hidden = forward_hidden(weights, token_ids, batch.positions, attend)
     return compute_logits(hidden[batch.logits_indices], weights.output)

@@ -59,22 +59,36 @@ def test_dependency_rule(package):
 
 
 def _clause_marks() -> dict[str, list[str]]:
-    """Clause id -> test functions whose clause marker names it (read from the sources)."""
+    """Clause id -> test files that mark it (read from the sources).
+
+    Every `….clause(...)` call counts, as a decorator or inside
+    `pytest.param(..., marks=...)`, with literal ids or `*NAME` of a
+    module-level tuple of ids.
+    """
     marks: dict[str, list[str]] = {}
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         tree = ast.parse(path.read_text())
+        constants = {
+            target.id: [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+            for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.List))
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
         for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "clause"
+            ):
                 continue
-            for decorator in node.decorator_list:
-                if (
-                    isinstance(decorator, ast.Call)
-                    and isinstance(decorator.func, ast.Attribute)
-                    and decorator.func.attr == "clause"
-                ):
-                    for arg in decorator.args:
-                        if isinstance(arg, ast.Constant):
-                            marks.setdefault(arg.value, []).append(f"{path.name}::{node.name}")
+            for arg in node.args:
+                if isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
+                    ids = constants.get(arg.value.id, [])
+                else:
+                    ids = [arg.value] if isinstance(arg, ast.Constant) else []
+                for clause_id in ids:
+                    marks.setdefault(clause_id, []).append(path.name)
     return marks
 
 
