@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint
+.PHONY: run test lint bench-cpu
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,3 +23,8 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest
+
+# CPU benchmark of the engine against Hugging Face generate: results/cpu-engine.json
+bench-cpu: $(STAMP)
+	$(PY) -m pytest tests/benchmarks/test_cpu_engine.py --benchmarks -p no:cacheprovider \
+		--benchmark-columns=min,median,rounds --benchmark-sort=name -q

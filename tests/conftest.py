@@ -120,6 +120,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--impl", default=None, help="module under test (default: kernels)")
     group.addoption("--xfails", default=None, help="file of known failures")
     group.addoption("--report", default=None, help="write the clause report JSON here")
+    group.addoption(
+        "--benchmarks", action="store_true", help="run tests/benchmarks (skipped otherwise)"
+    )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # Benchmarks measure, they do not test: collected only when asked for.
+    if "benchmarks" in collection_path.parts and not config.getoption("--benchmarks"):
+        return True
+    return None
 
 
 def _option(config: pytest.Config, name: str) -> str | None:
