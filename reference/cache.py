@@ -79,10 +79,12 @@ class PagedKVCache:
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # Uninitialised: no slot is read before it is written (ATTN-BOUNDS-1), and
+        # untouched pages of a large cache cost no memory until a sequence reaches them.
         self.layers: list[tuple[Tensor, Tensor]] = [
             (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device),
+                torch.empty(shape, dtype=dtype, device=device),
             )
             for _ in range(config.num_layers)
         ]

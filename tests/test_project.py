@@ -116,3 +116,14 @@ def test_docstring_examples_run(module):
         importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE
     )
     assert result.failed == 0
+
+
+def test_readme_python_examples_run(capsys):
+    """The README's Python examples are executed, so they cannot rot."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks, "the README has no Python example"
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
