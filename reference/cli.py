@@ -39,7 +39,10 @@ def load_model(path: str | None) -> tuple[ModelWeights, Tokenizer]:
         if live:
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
 
-    report(f"loading {model.name} ...")
+    if live:
+        report(f"loading {model.name} ...")
+    else:
+        print(f"loading {model.name} ...", file=sys.stderr, flush=True)
     weights, tokenizer = loader.load_model(model, progress=report)
     end = "\r\033[K" if live else ""
     print(f"{end}loaded {model.name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
