@@ -8,7 +8,9 @@ sampling stage on example logits.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -18,11 +20,17 @@ from pathlib import Path
 import torch
 
 from spec.forward import ModelWeights
-from spec.sampling import SamplingParams, process_logits, sample, sampling_tensors
+from spec.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    process_logits,
+    sample,
+    sampling_tensors,
+)
 from spec.softmax import softmax
 
 from . import loader
-from .engine import Engine, RequestOutput
+from .engine import Engine, RequestOutput, get_backend
 from .model_files import bundled_model_path
 from .tokenizer import Tokenizer
 
@@ -112,7 +120,11 @@ def _show_step(tokenizer: Tokenizer, token: int, candidates: list[tuple[int, flo
 
 
 def generate(args: argparse.Namespace) -> int:
-    params = _params(args)  # invalid parameters fail before the model loads
+    # Everything that can be checked without the model fails before it loads.
+    params = _params(args)
+    get_backend(args.backend)
+    if not 0 <= args.show_probs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"--show-probs must be in [0, {MAX_TOP_LOGPROBS}], got {args.show_probs}")
     weights, tokenizer = load_model(args.model)
     engine = Engine(
         weights,
@@ -136,6 +148,8 @@ def generate(args: argparse.Namespace) -> int:
     out = engine.output(request_id)
     if args.json:
         print(json.dumps(_output_json(out, args.logprobs is not None)))
+        if out.error:
+            print(f"decodespec: error: {out.error}", file=sys.stderr)
     else:
         if args.show_probs:
             print(f"\n{out.text}")
@@ -263,6 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly. Point stdout at /dev/null so
+        # the interpreter's final flush does not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass  # stdout is not a file descriptor (tests)
+        return 1
 
 
 if __name__ == "__main__":

@@ -172,9 +172,10 @@ def check_range(
         return
     bad = (~ok).nonzero()[0].tolist()
     where = "" if v.dim() == 0 else "[" + ", ".join(map(str, bad)) + "]"
+    # The offending value as given (an int stays an int in the message).
+    value = values if not isinstance(values, Tensor) else values.cpu()[tuple(bad)].item()
     raise ValueError(
-        f"{name}{where} must be in {_interval(low, high, low_open, high_open)}, "
-        f"got {v[tuple(bad)].item()!r}"
+        f"{name}{where} must be in {_interval(low, high, low_open, high_open)}, got {value!r}"
     )
 
 
