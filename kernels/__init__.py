@@ -3,9 +3,15 @@
 Each public function here has the same name and signature as an operation of
 `spec.registry.OPERATIONS`, and imports only torch, triton and modules of this
 package, so the folder can be copied into another engine's tree and checked
-with `pytest --impl <its module name>`.
+with `pytest --impl <its module name>`. On a machine without a GPU the
+kernels run in the Triton interpreter (set TRITON_INTERPRET=1 before
+importing this package; the test configuration does).
 
-No kernel has landed yet: the conformance suite lists every operation as
-missing and, with this package as the default implementation, runs those
-tests as a self-check of the spec.
+Kernels so far: `append_kv`. The conformance suite lists the other
+operations as missing and, with this package as the default implementation,
+runs their tests as a self-check of the spec.
 """
+
+from .append import append_kv
+
+__all__ = ["append_kv"]

@@ -110,7 +110,7 @@ def test_every_operation_names_real_clauses():
         assert set(op.clauses) <= set(known), (op.name, set(op.clauses) - set(known))
 
 
-@pytest.mark.parametrize("module", (*registry.SPEC_MODULES, "spec.registry"))
+@pytest.mark.parametrize("module", (*registry.SPEC_MODULES, "spec.registry", "kernels.append"))
 def test_docstring_examples_run(module):
     result = doctest.testmod(
         importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE
