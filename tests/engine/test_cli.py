@@ -154,20 +154,23 @@ def model(bundled):
     return load_model(bundled)
 
 
+# The greedy run shared by several tests (and repeated with --naive).
+GREEDY_ARGS = (
+    "generate",
+    QUESTION,
+    "--json",
+    "--ignore-eos",
+    "--max-tokens",
+    str(GREEDY_TOKENS),
+    "--logprobs",
+    "5",
+)
+
+
 @pytest.fixture(scope="module")
 def greedy(model) -> dict:
     """The greedy continuation of QUESTION past EOS, with top-5 logprobs (`--json`)."""
-    return run_cli(
-        model,
-        "generate",
-        QUESTION,
-        "--json",
-        "--ignore-eos",
-        "--max-tokens",
-        str(GREEDY_TOKENS),
-        "--logprobs",
-        "5",
-    ).json()
+    return run_cli(model, *GREEDY_ARGS).json()
 
 
 def eos_index(greedy: dict, tokenizer) -> int:
@@ -343,14 +346,7 @@ def test_naive_mode_gives_the_same_tokens(model, greedy, monkeypatch):
     )
     naive = run_cli(
         model,
-        "generate",
-        QUESTION,
-        "--json",
-        "--ignore-eos",
-        "--max-tokens",
-        str(GREEDY_TOKENS),
-        "--logprobs",
-        "5",
+        *GREEDY_ARGS,
         "--naive",
     ).json()
     assert calls == {"naive": GREEDY_TOKENS, "cached": 0}  # --naive recomputed every step
