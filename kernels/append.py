@@ -10,13 +10,11 @@ so the kernel only moves bits and the result is exact on every backend.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+from .checks import INDEX_DTYPES, check_caches
 
 
 @triton.jit
@@ -51,22 +49,7 @@ def _append_kv_kernel(
 
 def _check(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
     """APPEND-VALID-1: every check before any write, each error naming the argument."""
-    if k_cache.dim() != 4:
-        raise ValueError(
-            "k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {list(k_cache.shape)}"
-        )
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"v_cache must have k_cache's shape {list(k_cache.shape)}, got {list(v_cache.shape)}"
-        )
-    if k_cache.dtype not in _CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"k_cache and v_cache must share a float dtype, got {k_cache.dtype} and {v_cache.dtype}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_blocks, block_size, num_kv_heads, head_dim = check_caches(k_cache, v_cache)
     for name, t in (("key", key), ("value", value), ("v_cache", v_cache), ("slot_mapping", slots)):
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
@@ -80,7 +63,7 @@ def _check(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: 
             raise ValueError(f"{name} must have a floating-point dtype, got {t.dtype}")
     if value.shape != key.shape:
         raise ValueError(f"value must have key's shape {list(key.shape)}, got {list(value.shape)}")
-    if slots.dtype not in _INDEX_DTYPES:
+    if slots.dtype not in INDEX_DTYPES:
         raise ValueError(f"slot_mapping must be int32 or int64, got {slots.dtype}")
     if list(slots.shape) != [key.shape[0]]:
         raise ValueError(f"slot_mapping must have shape [{key.shape[0]}], got {list(slots.shape)}")

@@ -8,6 +8,7 @@ import importlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from spec import registry
 
@@ -110,10 +111,14 @@ def test_every_operation_names_real_clauses():
         assert set(op.clauses) <= set(known), (op.name, set(op.clauses) - set(known))
 
 
-@pytest.mark.parametrize("module", (*registry.SPEC_MODULES, "spec.registry", "kernels.append"))
+@pytest.mark.parametrize(
+    "module", (*registry.SPEC_MODULES, "spec.registry", "kernels.append", "kernels.attention")
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(
-        importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE
+        importlib.import_module(module),
+        extraglobs={"torch": torch},
+        optionflags=doctest.NORMALIZE_WHITESPACE,
     )
     assert result.failed == 0
 

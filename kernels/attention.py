@@ -1,0 +1,577 @@
+"""Paged attention in Triton: packed queries of many sequences over a paged KV cache.
+
+Same name, signature and semantics as `spec.attention.paged_attention`
+(ATTN-LAYOUT-1 ... ATTN-VALID-1), plus one keyword, `num_splits`. One
+operation serves decode (one query row per sequence), chunked prefill and
+speculative verification (several rows, causal, aligned bottom-right), mixed
+freely in one batch.
+
+How the work is cut
+-------------------
+A program owns one *tile*: up to `BLOCK_Q` consecutive query rows of one
+sequence, times the `group = num_q_heads // num_kv_heads` query heads that
+share one KV head. Rows and heads are packed into the `BLOCK_M` rows of the
+matrix products (`m = row · group + head`), so every K/V tile loaded from the
+cache serves all of them, and `tl.dot` gets the 16 rows it needs even for a
+decode row of a small group. Non-power-of-two groups (SmolLM2: 9 query heads
+over 3 KV heads) and head dims (80, 96) are padded up and masked.
+
+The program walks its sequence's positions `BLOCK_N` at a time. Each
+position's physical row comes from the block table (`block_table[b, j //
+block_size] · block_size + j % block_size`), so any block size works, 1
+included; positions past the rows' causal limit or the sequence's end are
+masked *at the load*, so no value there is read and NaN in unused slots never
+reaches the output (ATTN-BOUNDS-1). Scores go through an online softmax in
+float32 (float64 for float64 inputs), base 2 with the scale folded into
+`log2(e)`.
+
+Tiles are numbered without a host sync: sequence b owns the tiles from
+`query_start[b] // BLOCK_Q + b`, a strictly increasing number that leaves
+room for `ceil(q_len_b / BLOCK_Q)` tiles, and a program finds its sequence by
+binary search over `query_start`. Surplus tiles exit at once.
+
+Split-KV (flash-decoding)
+-------------------------
+With a long context and few tiles (decode of a small batch) one program per
+tile and KV head leaves most of a GPU idle. `num_splits > 1` cuts every
+sequence's positions into that many equal ranges; each range's program writes
+a float32 partial output normalised by its own sum, and its log-sum-exp; a
+second kernel merges them, `out = Σ_s exp(lse_s − lse) · out_s` with `lse =
+log Σ_s exp(lse_s)` (ATTN-LSE-1). Both passes reduce in a fixed order, so a
+result is the same run to run, and the split count changes it only within
+rounding. `choose_num_splits` picks the count from the number of programs,
+the GPU's multiprocessor count and the block table's capacity, without
+reading any device tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .checks import INTERPRET, check_caches, check_index_tensor, check_kernel_device
+
+LOG2E = 1.4426950408889634
+# Split-KV: a split keeps at least this many positions, and there are at most MAX_SPLITS.
+MIN_SPLIT_LEN = 512
+MAX_SPLITS = 64
+MAX_FORCED_SPLITS = 256
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _find_sequence(query_start_ptr, tile, batch, BLOCK_Q: tl.constexpr):
+    """The sequence owning `tile`: the last b with `query_start[b] // BLOCK_Q + b <= tile`."""
+    lo = tile * 0
+    hi = lo + batch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        lo = tl.where(first_tile <= tile, mid, lo)
+        hi = tl.where(first_tile <= tile, hi, mid)
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale,
+    batch,
+    block_size,
+    head_dim,
+    split_len,
+    q_stride_token,
+    q_stride_head,
+    cache_stride_slot,
+    block_table_stride,
+    out_stride_split,
+    out_stride_token,
+    out_stride_head,
+    lse_stride_split,
+    lse_stride_token,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    EXP2: tl.constexpr,
+    FMA_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_sequence(query_start_ptr, tile, batch, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    first_row = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first_row >= q_len:  # a surplus tile of this sequence
+        return
+
+    # Matrix row m is query row `first_row + m // GROUP` of the sequence, head `m % GROUP`
+    # of the KV head's group.
+    m = tl.arange(0, BLOCK_M)
+    row = first_row + m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    row_valid = (m < BLOCK_Q * GROUP) & (row < q_len)
+    token = (q_start + row).to(tl.int64)
+    position = seq_len - q_len + row  # ATTN-CAUSAL-1: the row sees positions <= this
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < head_dim
+    q = tl.load(
+        q_ptr + token[:, None] * q_stride_token + head[:, None] * q_stride_head + d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(COMPUTE)
+
+    # The positions this program reads: its split's share of those the tile's last row sees.
+    kv_end = tl.maximum(seq_len - q_len + tl.minimum(first_row + BLOCK_Q, q_len), 0)
+    kv_start = split * split_len
+    kv_stop = tl.minimum(kv_start + split_len, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), COMPUTE)
+    l_i = tl.zeros([BLOCK_M], COMPUTE)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], COMPUTE)
+    table_row = block_table_ptr + seq.to(tl.int64) * block_table_stride
+    head_offset = kv_head * head_dim
+    for start in range(kv_start, kv_stop, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_valid = n < kv_stop
+        # Only the table entries of positions < seq_len are read (ATTN-BOUNDS-1); 64-bit
+        # because slot · row size passes 2^31 in a large cache.
+        block = tl.load(table_row + n // block_size, mask=n_valid, other=0).to(tl.int64)
+        row_offset = (block * block_size + n % block_size) * cache_stride_slot + head_offset
+        k = tl.load(  # [BLOCK_D, BLOCK_N]: K transposed
+            k_cache_ptr + row_offset[None, :] + d[:, None],
+            mask=d_valid[:, None] & n_valid[None, :],
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr + row_offset[:, None] + d[None, :],
+            mask=n_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(COMPUTE)
+            v = v.to(COMPUTE)
+        if FMA_DOT:  # float64: products and sums on the FMA units
+            scores = tl.sum(q[:, :, None] * k[None, :, :], axis=1)
+        else:
+            scores = tl.dot(q, k, input_precision="ieee")
+        visible = (n[None, :] <= position[:, None]) & n_valid[None, :]
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+
+        # Online softmax: rescale what came before to the new running maximum. A row
+        # that has seen nothing yet keeps maximum −inf; shift by 0 so exp gives 0, not NaN.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if EXP2:
+            alpha = tl.exp2(m_i - m_shift)
+            p = tl.exp2(scores - m_shift[:, None])
+        else:
+            alpha = tl.exp(m_i - m_shift)
+            p = tl.exp(scores - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FMA_DOT:
+            weighted = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        else:
+            weighted = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + weighted
+        m_i = m_new
+
+    # Rows without keys (ATTN-EMPTY-1, or a split past the row's limit): zeros and −inf.
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    out_offset = (
+        split.to(tl.int64) * out_stride_split
+        + token[:, None] * out_stride_token
+        + head[:, None] * out_stride_head
+        + d[None, :]
+    )
+    tl.store(
+        out_ptr + out_offset,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_valid[None, :],
+    )
+    if STORE_LSE:
+        if EXP2:
+            lse = (m_i + tl.log2(l_safe)) / LOG2E
+        else:
+            lse = m_i + tl.log(l_safe)
+        lse = tl.where(seen, lse, float("-inf"))
+        lse_offset = split.to(tl.int64) * lse_stride_split + token * lse_stride_token + head
+        tl.store(lse_ptr + lse_offset, lse.to(lse_ptr.dtype.element_ty), mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    head_dim,
+    part_out_stride_split,
+    part_lse_stride_split,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    # One program per (token, head), flattened: partial tensors are contiguous
+    # [num_splits, num_tokens, num_q_heads, (head_dim)], the outputs
+    # [num_tokens, num_q_heads, (head_dim)].
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    s_valid = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < head_dim
+    part_lse = tl.load(
+        part_lse_ptr + s * part_lse_stride_split + row, mask=s_valid, other=float("-inf")
+    )
+    top = tl.max(part_lse, 0)
+    top_shift = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp(part_lse - top_shift)  # 0 for splits that saw no key
+    total = tl.sum(weight, 0)
+    part_out = tl.load(
+        part_out_ptr + s[:, None] * part_out_stride_split + row * head_dim + d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    total_safe = tl.where(total > 0, total, 1.0)
+    out = tl.sum(weight[:, None] * part_out, 0) / total_safe
+    tl.store(out_ptr + row * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
+    if STORE_LSE:
+        lse = tl.where(total > 0, top + tl.log(total_safe), float("-inf"))
+        tl.store(lse_ptr + row, lse.to(lse_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------- launch configuration
+
+
+@functools.cache
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs one program at a time
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tile_shape(num_tokens: int, batch: int, group: int, head_dim: int, fp64: bool) -> dict:
+    """Block sizes for a launch, from shapes only (no device tensor is read).
+
+    A batch of decode rows (no more tokens than sequences) gets 16-row tiles:
+    one row and its group, or a few rows for small groups. Batches with longer
+    query runs (prefill chunks) get 64-row tiles, so each K/V tile loaded serves
+    more rows.
+    """
+    rows = 16 if (num_tokens <= batch or fp64) else 64
+    block_q = max(1, rows // group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if fp64:  # the FMA path holds a [BLOCK_M, BLOCK_D, BLOCK_N] product
+        block_n = 16
+    elif INTERPRET:  # fewer, larger steps: the interpreter's cost is per step
+        block_n = 64
+    else:
+        block_n = 64 if block_d <= 128 else 32
+    return {
+        "BLOCK_Q": block_q,
+        "BLOCK_M": max(16, triton.next_power_of_2(block_q * group)),
+        "BLOCK_N": block_n,
+        "BLOCK_D": block_d,
+    }
+
+
+def choose_num_splits(
+    num_tiles: int, num_kv_heads: int, capacity: int, device: torch.device
+) -> int:
+    """How many ranges to cut each sequence's positions into (split-KV).
+
+    Args:
+        num_tiles: programs per KV head and split (query tiles).
+        num_kv_heads: KV heads.
+        capacity: positions a sequence can hold, `max_blocks_per_seq · block_size`
+            (an upper bound of every `seq_lens[b]`, known without a device read).
+        device: where the kernel runs.
+
+    Returns:
+        1 when the tiles alone give the GPU about four programs per
+        multiprocessor or the sequences are short; otherwise enough splits to
+        get there, each at least MIN_SPLIT_LEN positions long, at most MAX_SPLITS.
+    """
+    programs = num_tiles * num_kv_heads
+    target = 4 * _multiprocessor_count(device)
+    if programs >= target:
+        return 1
+    return max(1, min(-(-target // programs), capacity // MIN_SPLIT_LEN, MAX_SPLITS))
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start: Tensor,
+    scale: float | None,
+    num_splits: int | None,
+) -> None:
+    """ATTN-VALID-1, plus `num_splits`: every check before any launch."""
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        shape = list(q.shape) if isinstance(q, Tensor) else type(q).__name__
+        raise ValueError(f"q must have shape [num_tokens, num_q_heads, head_dim], got {shape}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_q_heads < 1 or head_dim < 1:
+        raise ValueError(f"q must have num_q_heads and head_dim >= 1, got {list(q.shape)}")
+    check_kernel_device("q", q)
+    if isinstance(k_cache, Tensor) and k_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache must have q's dtype {q.dtype}, got {k_cache.dtype}")
+    if isinstance(k_cache, Tensor) and k_cache.device != q.device:
+        raise ValueError(f"k_cache is on {k_cache.device}, q on {q.device}")
+    num_blocks, block_size, num_kv_heads, kv_head_dim = check_caches(k_cache, v_cache)
+    if kv_head_dim != head_dim:
+        raise ValueError(f"k_cache has head_dim {kv_head_dim}, q has head_dim {head_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q has num_q_heads={num_q_heads}, which must be a multiple of "
+            f"k_cache's num_kv_heads={num_kv_heads}"
+        )
+    if not isinstance(seq_lens, Tensor) or seq_lens.dim() != 1:
+        shape = list(seq_lens.shape) if isinstance(seq_lens, Tensor) else type(seq_lens).__name__
+        raise ValueError(f"seq_lens must have shape [batch], got {shape}")
+    batch = seq_lens.shape[0]
+    check_index_tensor("seq_lens", seq_lens, [batch], q.device)
+    check_index_tensor("query_start", query_start, [batch + 1], q.device)
+    if not isinstance(block_table, Tensor) or block_table.dim() != 2:
+        shape = list(block_table.shape) if isinstance(block_table, Tensor) else type(block_table)
+        raise ValueError(f"block_table must have shape [batch, max_blocks_per_seq], got {shape}")
+    max_blocks = block_table.shape[1]
+    check_index_tensor("block_table", block_table, [batch, max_blocks], q.device)
+    if scale is not None and not (
+        isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+    ):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+    if num_splits is not None and not (
+        isinstance(num_splits, int)
+        and not isinstance(num_splits, bool)
+        and 1 <= num_splits <= MAX_FORCED_SPLITS
+    ):
+        raise ValueError(
+            f"num_splits must be None or an int in [1, {MAX_FORCED_SPLITS}], got {num_splits!r}"
+        )
+
+    # Values: one copy of the small index tensors to the host.
+    lens = seq_lens.tolist()
+    starts = query_start.tolist()
+    capacity = max_blocks * block_size
+    for b, n in enumerate(lens):
+        if not 0 <= n <= capacity:
+            raise ValueError(
+                f"seq_lens[{b}] = {n} must be in [0, {capacity}] "
+                f"(max_blocks_per_seq {max_blocks} × block_size {block_size})"
+            )
+    if starts[0] != 0 or starts[-1] != num_tokens:
+        raise ValueError(
+            f"query_start must start at 0 and end at num_tokens={num_tokens}, "
+            f"got {starts[0]} ... {starts[-1]}"
+        )
+    for b in range(batch):
+        q_len = starts[b + 1] - starts[b]
+        if q_len < 0:
+            raise ValueError(
+                f"query_start must be non-decreasing, got query_start[{b}] = {starts[b]} > "
+                f"query_start[{b + 1}] = {starts[b + 1]}"
+            )
+        if lens[b] > 0 and q_len > lens[b]:
+            raise ValueError(
+                f"query_start gives sequence {b} {q_len} query rows, more than its "
+                f"seq_lens[{b}] = {lens[b]} positions"
+            )
+    # The table entries the kernel reads: the first ceil(seq_len / block_size) of each row.
+    read = torch.arange(max_blocks, device=q.device)[None, :] * block_size < seq_lens[:, None]
+    bad = read & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"block_table[{b}, {j}] = {int(block_table[b, j])} must be in [0, {num_blocks}) "
+            f"(sequence {b} has {lens[b]} positions in blocks of {block_size})"
+        )
+
+
+# ---------------------------------------------------------------- the operation
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start: Tensor,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+    num_splits: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal attention of packed queries over a paged KV cache (spec.attention.paged_attention).
+
+    Args:
+        q: `[num_tokens, num_q_heads, head_dim]`, float16, bfloat16, float32 or
+            float64 (the last dimension contiguous or not): every sequence's
+            new tokens' queries, packed.
+        k_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, q's dtype,
+            contiguous; any block size from 1, any head dim (padded to a power
+            of two inside the kernel).
+        v_cache: same shape and dtype as `k_cache`.
+        block_table: `[batch, max_blocks_per_seq]` int32/int64; entry (b, i) is
+            the block holding positions `i·block_size ...` of sequence b. Only
+            the entries of positions below `seq_lens[b]` are read.
+        seq_lens: `[batch]` int32/int64, each sequence's length including its
+            new tokens (0 for a sequence without keys: its rows give zeros).
+        query_start: `[batch + 1]` int32/int64, offsets of each sequence's rows
+            in `q`; its rows are its last `q_len` positions (causal, bottom-right).
+        scale: multiplies the dot products; `1 / sqrt(head_dim)` if None.
+        return_lse: also return each row's log-sum-exp of scaled scores.
+        validate: check the arguments first (ATTN-VALID-1; one host read of
+            `seq_lens` and `query_start`). Unchecked bad arguments are
+            undefined behaviour: check once per batch layout, pass False for
+            the other layers.
+        num_splits: split-KV ranges per sequence; None lets
+            `choose_num_splits` decide. The result depends on it only within
+            rounding.
+
+    Returns:
+        `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; with
+        `return_lse`, `(out, lse)`, lse `[num_tokens, num_q_heads]` float32
+        (float64 for float64 inputs).
+
+    Raises:
+        ValueError: a wrong shape, dtype, device, index or value; the message
+            names the argument. Nothing is launched.
+
+    Example:
+        Two positions in blocks of one slot, stored in reverse order. Zero
+        queries score every key equally: row 0 (position 0) sees only the
+        first value, row 1 (position 1) averages both.
+
+        >>> k_cache = torch.tensor([[[[1.0, 0.0]]], [[[0.0, 1.0]]]])  # [2, 1, 1, 2]
+        >>> v_cache = torch.tensor([[[[1.0, 2.0]]], [[[3.0, 4.0]]]])
+        >>> out, lse = paged_attention(
+        ...     torch.zeros(2, 1, 2), k_cache, v_cache,
+        ...     block_table=torch.tensor([[1, 0]]), seq_lens=torch.tensor([2]),
+        ...     query_start=torch.tensor([0, 2]), return_lse=True)
+        >>> out[:, 0]
+        tensor([[3., 4.],
+                [2., 3.]])
+        >>> lse[:, 0]
+        tensor([0.0000, 0.6931])
+    """
+    if validate:
+        _check(q, k_cache, v_cache, block_table, seq_lens, query_start, scale, num_splits)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    fp64 = q.dtype == torch.float64
+    compute = torch.float64 if fp64 else torch.float32
+    out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_q_heads, dtype=compute, device=q.device)
+    if num_tokens == 0:
+        return (out, lse) if return_lse else out
+
+    if fp64:
+        # Triton passes Python floats as float32: scale in float64 here, not in the kernel.
+        q, qk_scale = q * scale, 1.0
+    else:
+        q, qk_scale = (q if q.stride(-1) == 1 else q.contiguous()), scale * LOG2E
+    tiles = _tile_shape(num_tokens, batch, group, head_dim, fp64)
+    num_tiles = num_tokens // tiles["BLOCK_Q"] + batch
+    capacity = block_table.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles, num_kv_heads, capacity, q.device)
+    split_len = max(1, -(-capacity // num_splits))
+
+    if num_splits == 1:
+        target_out, target_lse = out, lse
+    else:
+        target_out = torch.empty(
+            num_splits, num_tokens, num_q_heads, head_dim, dtype=compute, device=q.device
+        )
+        target_lse = torch.empty(
+            num_splits, num_tokens, num_q_heads, dtype=compute, device=q.device
+        )
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start,
+        target_out,
+        target_lse,
+        qk_scale,
+        batch,
+        block_size,
+        head_dim,
+        split_len,
+        q.stride(0),
+        q.stride(1),
+        num_kv_heads * head_dim,
+        block_table.stride(0),
+        target_out.stride(0) if num_splits > 1 else 0,
+        target_out.stride(-3),
+        target_out.stride(-2),
+        target_lse.stride(0) if num_splits > 1 else 0,
+        target_lse.stride(-2),
+        GROUP=group,
+        COMPUTE=tl.float64 if fp64 else tl.float32,
+        EXP2=not fp64,
+        FMA_DOT=fp64,
+        # The interpreter computes float16/bfloat16 arithmetic and dots wrongly.
+        UPCAST=INTERPRET and q.dtype in (torch.float16, torch.bfloat16),
+        STORE_LSE=return_lse or num_splits > 1,
+        num_warps=4,
+        num_stages=2,
+        **tiles,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens * num_q_heads,)](
+            target_out,
+            target_lse,
+            out,
+            lse,
+            num_splits,
+            head_dim,
+            target_out.stride(0),
+            target_lse.stride(0),
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            STORE_LSE=return_lse,
+            num_warps=4,
+        )
+    return (out, lse) if return_lse else out

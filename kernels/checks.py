@@ -1,0 +1,80 @@
+"""Argument checks shared by the kernels' wrappers.
+
+Kernels never check anything (`tl.device_assert` is off in normal builds and
+never fires in the interpreter), so a wrong shape, dtype, device or index
+must be caught here, before a launch turns it into an out-of-bounds access.
+Every error is a ValueError whose message names the argument.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Triton reads TRITON_INTERPRET when the kernels are decorated, that is when this
+# package is imported: CPU tensors are only usable when it was set by then.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def check_kernel_device(name: str, t: Tensor) -> None:
+    """Raise unless `t` lives where the kernels can run: a GPU, or the CPU in the interpreter."""
+    if t.device.type == "cpu" and not INTERPRET:
+        raise ValueError(
+            f"{name} is on the CPU: the Triton kernels need GPU tensors, or the Triton "
+            "interpreter (set TRITON_INTERPRET=1 before importing kernels)"
+        )
+
+
+def check_index_tensor(name: str, t: Tensor, shape: list[int], device: torch.device) -> None:
+    """Raise unless `t` is an int32/int64 tensor of `shape` on `device`."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if list(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
+    if t.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def check_caches(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int]:
+    """Two equal, contiguous 4-D float caches on one device.
+
+    Returns:
+        `(num_blocks, block_size, num_kv_heads, head_dim)`.
+    """
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if k_cache.dim() != 4:
+        raise ValueError(
+            "k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {list(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache must have k_cache's shape {list(k_cache.shape)}, got {list(v_cache.shape)}"
+        )
+    if k_cache.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"k_cache must be float16, bfloat16, float32 or float64, got {k_cache.dtype}"
+        )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache is on {v_cache.device}, k_cache on {k_cache.device}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (slots are rows of a flat view)")
+    check_kernel_device("k_cache", k_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if block_size < 1 or num_kv_heads < 1 or head_dim < 1:
+        raise ValueError(
+            "k_cache must have block_size, num_kv_heads and head_dim >= 1, "
+            f"got shape {list(k_cache.shape)}"
+        )
+    return num_blocks, block_size, num_kv_heads, head_dim
