@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-cpu
+.PHONY: run test lint bench-cpu bench-attention
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -32,3 +32,7 @@ test: lint
 bench-cpu: $(STAMP)
 	$(PY) -m pytest tests/benchmarks/test_cpu_engine.py --benchmarks -p no:cacheprovider \
 		--benchmark-columns=min,median,rounds --benchmark-sort=name -q
+
+# GPU benchmark of the paged attention kernel against its peers: results/attention-gpu.json
+bench-attention: $(STAMP)
+	$(PY) -m tests.benchmarks.attention

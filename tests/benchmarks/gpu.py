@@ -1,0 +1,112 @@
+"""Shared pieces of the GPU benchmarks (`make bench-attention`, ...).
+
+How to measure (ARCHITECTURE.md, "Performance: how to measure"): the bytes an
+operation must move over its median time, compared with the device's measured
+copy bandwidth; peers timed in the same process on the same inputs with
+`triton.testing.do_bench` (median, L2 flushed between calls); results written
+as JSON with the device and software versions.
+
+Each benchmark also has a `--smoke` mode that runs tiny shapes on the CPU
+through the Triton interpreter, timed once with `time.perf_counter`, so that a
+test can check the command end to end without a GPU. Those numbers are never
+measurements. Triton is imported only inside the functions that use it: the
+interpreter must be switched on (TRITON_INTERPRET=1) before Triton is first
+imported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "results"
+COPY_BYTES = 1 << 30  # large enough that the L2 cache plays no part
+SMOKE_NOTE = (
+    "--smoke: tiny shapes on the CPU through the Triton interpreter, each timed once; "
+    "these numbers check the command end to end and are not measurements."
+)
+
+
+def require_cuda(command: str) -> None:
+    """Exit with status 2 and a clear message unless a CUDA GPU is present."""
+    if not torch.cuda.is_available():
+        print(
+            f"{command}: a CUDA GPU is required (torch.cuda.is_available() is False). "
+            "It measures kernels against the GPU's copy bandwidth and GPU peers; timings "
+            "in the Triton interpreter are not measurements. Use --smoke to check the "
+            "command on the CPU.",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+
+def describe_environment(device: torch.device) -> dict:
+    """The device and software a run measured on, and when (UTC)."""
+    import triton
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["device"] = props.name
+        info["device_memory_GiB"] = round(props.total_memory / 2**30, 1)
+        info["multiprocessors"] = props.multi_processor_count
+        info["compute_capability"] = f"{props.major}.{props.minor}"
+    else:
+        info["device"] = f"cpu ({platform.processor() or platform.machine()})"
+    return info
+
+
+def median_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    """Median time of `fn` in milliseconds on the GPU, L2 flushed before each call."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def single_call_ms(fn: Callable[[], object]) -> float:
+    """Wall time of one call of `fn` in milliseconds (the --smoke timer: not a measurement)."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure_copy_bandwidth(
+    device: torch.device, nbytes: int = COPY_BYTES, timer: Callable = median_ms
+) -> dict:
+    """Device-to-device copy of an `nbytes` buffer: bytes read plus written over the time."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    target = torch.empty_like(source)
+    ms = timer(lambda: target.copy_(source))
+    return {"bytes": nbytes, "median_ms": ms, "GBps": 2 * nbytes / (ms * 1e-3) / 1e9}
+
+
+def _strict_json(value: object) -> object:
+    """`value` with each non-finite float replaced by its name ("nan", "inf", "-inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(item) for item in value]
+    return value
+
+
+def write_json(path: Path, results: dict) -> None:
+    """Write `results` as indented, strictly valid JSON, creating the folder if needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_strict_json(results), indent=2, allow_nan=False) + "\n")

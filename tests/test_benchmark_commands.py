@@ -1,0 +1,80 @@
+"""The GPU benchmark commands, end to end on a machine without a GPU.
+
+Without CUDA a benchmark refuses before doing any work; `--smoke` runs it on
+tiny shapes in the Triton interpreter and writes a results file of the real
+run's form.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+ATTENTION = [sys.executable, "-m", "tests.benchmarks.attention"]
+PEERS = {"sdpa", "flex_attention", "flashinfer"}
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    """Run `command` from the repository root; --smoke must switch the interpreter on itself."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CUDA GPU is present: the benchmark runs instead of refusing",
+)
+def test_attention_benchmark_refuses_without_cuda(tmp_path):
+    out = tmp_path / "attention.json"
+    result = run([*ATTENTION, "--out", str(out)])
+    assert result.returncode == 2, result.stderr
+    assert "a CUDA GPU is required" in result.stderr
+    assert "--smoke" in result.stderr
+    assert not out.exists()
+
+
+def test_attention_benchmark_smoke(tmp_path):
+    out = tmp_path / "results" / "attention.json"
+    result = run([*ATTENTION, "--smoke", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+
+    assert report["smoke"] is True
+    assert "not measurements" in report["note"]
+    assert {"date", "torch", "triton", "device"} <= set(report["environment"])
+    assert is_finite_number(report["copy_bandwidth"]["GBps"])
+    kinds = {shape["shape"]["q_len"] > 1 for shape in report["shapes"]}
+    assert kinds == {False, True}, "a decode shape and a chunked-prefill shape"
+
+    for shape in report["shapes"]:
+        assert shape["name"] in result.stdout
+        ours = shape["ours"]
+        assert isinstance(ours["num_splits"], int) and ours["num_splits"] >= 1
+        for key in ("median_ms", "bytes", "GBps", "percent_of_copy_bandwidth"):
+            assert is_finite_number(ours[key]) and ours[key] > 0, key
+        assert is_finite_number(ours["relative_error_vs_sdpa"])
+        assert ours["within_tolerance"] is True
+        assert set(shape["peers"]) == PEERS
+        assert "median_ms" in shape["peers"]["sdpa"], "SDPA runs everywhere"
+        for name, peer in shape["peers"].items():
+            if "unavailable" in peer:
+                assert isinstance(peer["unavailable"], str) and peer["unavailable"], name
+            else:
+                assert is_finite_number(peer["median_ms"]) and is_finite_number(peer["ratio"]), name
+
+    targets = report["targets"]
+    assert len(targets) == 3
+    assert all(target["met"] in (True, False, None) for target in targets)
+    assert [target["met"] for target in targets[:2]] == [None, None], "issue shapes not run"
