@@ -324,6 +324,17 @@ def choose_num_splits(
     return max(1, min(-(-target // programs), capacity // MIN_SPLIT_LEN, MAX_SPLITS))
 
 
+def default_num_splits(q: Tensor, k_cache: Tensor, block_table: Tensor, seq_lens: Tensor) -> int:
+    """The split count `paged_attention` uses for these arguments when `num_splits` is None."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    tiles = _tile_shape(num_tokens, batch, group, head_dim, q.dtype == torch.float64)
+    num_tiles = num_tokens // tiles["BLOCK_Q"] + batch
+    return choose_num_splits(num_tiles, num_kv_heads, block_table.shape[1] * block_size, q.device)
+
+
 # ---------------------------------------------------------------- validation
 
 
@@ -513,7 +524,7 @@ def paged_attention(
     num_tiles = num_tokens // tiles["BLOCK_Q"] + batch
     capacity = block_table.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles, num_kv_heads, capacity, q.device)
+        num_splits = default_num_splits(q, k_cache, block_table, seq_lens)
     split_len = max(1, -(-capacity // num_splits))
 
     if num_splits == 1:

@@ -306,28 +306,6 @@ def measure_peer(
 # ---------------------------------------------------------------- ours
 
 
-def chosen_num_splits(attention: ModuleType, call: Callable[[], Tensor]) -> int | None:
-    """The split count `attention.choose_num_splits` returns during one `call`.
-
-    None when the module has no such heuristic or the call does not consult it.
-    """
-    heuristic = getattr(attention, "choose_num_splits", None)
-    if heuristic is None:
-        return None
-    choices = []
-
-    def recording(*args: object, **kwargs: object) -> int:
-        choices.append(heuristic(*args, **kwargs))
-        return choices[-1]
-
-    attention.choose_num_splits = recording
-    try:
-        call()
-    finally:
-        attention.choose_num_splits = heuristic
-    return choices[0] if choices else None
-
-
 def measure_ours(
     shape: Shape, inputs: Inputs, kernels: ModuleType, copy_GBps: float, timer: Callable
 ) -> tuple[dict, Tensor]:
@@ -345,14 +323,15 @@ def measure_ours(
     def ours() -> Tensor:
         return kernels.paged_attention(*args, validate=False)
 
-    num_splits = chosen_num_splits(kernels.attention, ours)
+    num_splits = kernels.attention.default_num_splits(
+        inputs.q, inputs.k_cache, inputs.block_table, inputs.seq_lens
+    )
     ms = timer(ours)
     nbytes = bytes_moved(shape)
     GBps = nbytes / (ms * 1e-3) / 1e9
     measured = {"median_ms": ms, "bytes": nbytes, "GBps": GBps}
     measured["percent_of_copy_bandwidth"] = 100 * GBps / copy_GBps
-    if num_splits is not None:
-        measured["num_splits"] = num_splits
+    measured["num_splits"] = num_splits
     return measured, out
 
 
@@ -452,7 +431,7 @@ def format_row(result: dict) -> str:
     ours = result["ours"]
     error = ours.get("relative_error_vs_sdpa")
     row = (
-        f"{result['name']:<26}{ours.get('num_splits', '-')!s:>7}{ours['median_ms']:>10.4f}"
+        f"{result['name']:<26}{ours['num_splits']!s:>7}{ours['median_ms']:>10.4f}"
         f"{ours['GBps']:>8.0f}{ours['percent_of_copy_bandwidth']:>8.1f}"
         f"{'-' if error is None else f'{error:.1e}':>10}"
     )
