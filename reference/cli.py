@@ -119,13 +119,26 @@ def _show_step(tokenizer: Tokenizer, token: int, candidates: list[tuple[int, flo
     return "  ".join(cells)
 
 
+def _device(name: str) -> torch.device:
+    """`auto` is the GPU when there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
 def generate(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model fails before it loads.
     params = _params(args)
-    get_backend(args.backend)
+    device = _device(args.device)
+    backend = get_backend(args.backend)
     if not 0 <= args.show_probs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"--show-probs must be in [0, {MAX_TOP_LOGPROBS}], got {args.show_probs}")
+    if backend.kernel_ops and device.type == "cpu":
+        print("no GPU: the Triton kernels run in the Triton interpreter (slow)", file=sys.stderr)
     weights, tokenizer = load_model(args.model)
+    weights = weights.to(device)
     engine = Engine(
         weights,
         tokenizer,
@@ -234,7 +247,18 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--logprobs", type=int, metavar="N", help="logprobs with the top N (0-20)")
-    gen.add_argument("--backend", choices=("spec", "triton"), default="spec")
+    gen.add_argument(
+        "--backend",
+        choices=("spec", "triton"),
+        default="spec",
+        help="stage functions: the spec's PyTorch, or the Triton kernels",
+    )
+    gen.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model runs (auto: the GPU if there is one)",
+    )
     gen.add_argument("--naive", action="store_true", help="no KV cache: recompute every step")
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,9 +34,16 @@ from .cache import CacheFullError, PagedKVCache
 # ---------------------------------------------------------------- backends
 
 
+STAGE_OPERATIONS = ("paged_attention", "append_kv", "sample", "process_logits", "compute_logprobs")
+
+
 @dataclass(frozen=True)
 class Backend:
-    """The stage functions the engine calls (spec and kernels share their signatures)."""
+    """The stage functions the engine calls (spec and kernels share their signatures).
+
+    `kernel_ops` names the stages that run as Triton kernels; the others run
+    the spec's PyTorch.
+    """
 
     name: str
     paged_attention: Callable[..., Tensor]
@@ -43,6 +51,7 @@ class Backend:
     sample: Callable[..., Tensor]
     process_logits: Callable[..., Tensor]
     compute_logprobs: Callable[..., sampling.Logprobs]
+    kernel_ops: tuple[str, ...] = ()
 
 
 SPEC_BACKEND = Backend(
@@ -56,22 +65,36 @@ SPEC_BACKEND = Backend(
 
 
 def get_backend(name: str) -> Backend:
-    """`spec` (plain PyTorch) or `triton` (the kernels; the interpreter without a GPU)."""
+    """`spec` (plain PyTorch) or `triton` (the kernels; the interpreter without a GPU).
+
+    The triton backend takes every stage `kernels` provides (attention and KV
+    append so far) and the spec's function for the others, which share the
+    signatures. Without a CUDA device it selects the Triton interpreter,
+    which has to happen before `kernels` is first imported.
+    """
     if name == "spec":
         return SPEC_BACKEND
     if name != "triton":
         raise ValueError(f"unknown backend {name!r}: choose 'spec' or 'triton'")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     kernels = importlib.import_module("kernels")
-    functions = {}
-    for op in ("paged_attention", "append_kv", "sample", "process_logits", "compute_logprobs"):
-        function = getattr(kernels, op, None)
-        if function is None:
-            raise ValueError(
-                f"the triton backend needs kernels.{op}, which does not exist yet; "
-                "use --backend spec"
-            )
-        functions[op] = function
-    return Backend("triton", **functions)
+    provided = tuple(op for op in STAGE_OPERATIONS if hasattr(kernels, op))
+    functions = {
+        op: getattr(kernels if op in provided else SPEC_BACKEND, op) for op in STAGE_OPERATIONS
+    }
+    return Backend("triton", **functions, kernel_ops=provided)
+
+
+def check_backend_device(backend: Backend, device: torch.device) -> None:
+    """Raise ValueError unless the backend's kernels can run on tensors on `device`."""
+    if not backend.kernel_ops or device.type != "cpu":
+        return
+    if not importlib.import_module("kernels.checks").INTERPRET:
+        raise ValueError(
+            "the triton backend needs the model on a GPU (device 'cuda'), or the Triton "
+            "interpreter (TRITON_INTERPRET=1) for a model on the CPU"
+        )
 
 
 # ---------------------------------------------------------------- requests and events
@@ -190,6 +213,7 @@ class Engine:
         self.config = weights.config
         self.tokenizer = tokenizer
         self.backend = get_backend(backend)
+        check_backend_device(self.backend, weights.device)
         self.naive = naive
         if not 0 <= show_probs <= sampling.MAX_TOP_LOGPROBS:
             raise ValueError(f"show_probs must be in [0, 20], got {show_probs}")

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -143,6 +143,20 @@ class ModelWeights:
     @property
     def device(self) -> torch.device:
         return self.embedding.device
+
+    def to(self, device: torch.device | str) -> ModelWeights:
+        """The same weights on `device` (a tied output stays tied: one tensor)."""
+
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        layers = [
+            LayerWeights(**{f.name: move(getattr(layer, f.name)) for f in fields(layer)})
+            for layer in self.layers
+        ]
+        embedding = self.embedding.to(device)
+        output = embedding if self.output is self.embedding else self.output.to(device)
+        return ModelWeights(self.config, embedding, layers, self.final_norm.to(device), output)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import importlib
 import io
 import json
 import math
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kernels
 from reference import cli
 from reference import engine as engine_module
 from reference.engine import Engine
@@ -702,13 +702,25 @@ def test_show_probs_out_of_range_exits_2(model):
     )
 
 
-def test_triton_backend_without_kernels_is_a_clear_error(model):
-    kernels = importlib.import_module("kernels")
-    ops = ("paged_attention", "append_kv", "sample", "process_logits", "compute_logprobs")
-    if all(hasattr(kernels, op) for op in ops):
-        pytest.skip("the kernels exist: --backend triton is a working backend")
-    run = run_cli(model, "generate", "hi", "--backend", "triton")
-    assert_usage_error(run, r"the triton backend needs kernels\.\w+, which does not exist yet")
+def test_triton_backend_gives_the_spec_backends_greedy_tokens(model, greedy, monkeypatch):
+    """The bundled model through the Triton kernels (in the interpreter without a GPU)."""
+    calls = dict.fromkeys(("paged_attention", "append_kv"), 0)
+    for op in calls:
+        function = getattr(kernels, op)
+
+        def counted(*args, _op=op, _function=function, **kwargs):
+            calls[_op] += 1
+            return _function(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, op, counted)
+    triton = run_cli(model, *GREEDY_ARGS, "--backend", "triton").json()
+    forwards = GREEDY_TOKENS  # the prefill, then one decode step per further token
+    num_layers = len(model[0].layers)
+    assert calls == dict.fromkeys(calls, forwards * num_layers)
+    assert triton["token_ids"] == greedy["token_ids"]
+    assert triton["text"] == greedy["text"]
+    for spec_step, triton_step in zip(greedy["logprobs"], triton["logprobs"], strict=True):
+        assert triton_step["logprob"] == pytest.approx(spec_step["logprob"], abs=1e-4)
 
 
 def test_request_error_exits_1_without_traceback(model):

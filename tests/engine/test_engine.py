@@ -9,7 +9,9 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from reference.engine import Engine
+import kernels
+import kernels.checks
+from reference.engine import SPEC_BACKEND, STAGE_OPERATIONS, Engine, get_backend
 from spec.forward import PagedBatch, forward_cached, forward_naive
 from spec.sampling import SamplingParams
 from tests.engine.toy import LLAMA3_SCALING, ByteTokenizer, random_weights, small_config
@@ -288,13 +290,45 @@ def test_bad_requests_raise_clear_errors(model, prompt, params, match):
     assert not engine.has_unfinished()
 
 
-def test_unknown_backend_and_missing_kernels_are_clear_errors(model):
+def test_unknown_backend_is_a_clear_error(model):
     with pytest.raises(ValueError, match="unknown backend"):
         Engine(model, ByteTokenizer(), backend="cuda")
-    kernels = pytest.importorskip("kernels")
-    if not hasattr(kernels, "paged_attention"):
-        with pytest.raises(ValueError, match="does not exist yet"):
-            Engine(model, ByteTokenizer(), backend="triton")
+
+
+def test_triton_backend_takes_the_stages_the_kernels_provide():
+    backend = get_backend("triton")
+    assert {"paged_attention", "append_kv"} <= set(backend.kernel_ops)
+    for op in STAGE_OPERATIONS:
+        source = kernels if op in backend.kernel_ops else SPEC_BACKEND
+        assert getattr(backend, op) is getattr(source, op), op
+
+
+@pytest.mark.clause("FWD-CACHE-1")
+def test_triton_backend_generates_what_the_spec_backend_generates(model):
+    """Greedy and seeded requests joining a running batch: prefill and decode rows mixed."""
+    outputs = {}
+    for backend in ("spec", "triton"):
+        engine = Engine(model, ByteTokenizer(), backend=backend, block_size=3)
+        first = engine.add_request(
+            PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
+        engine.step()
+        engine.step()
+        later = [
+            engine.add_request(
+                p, SamplingParams(temperature=0.9, seed=i, max_tokens=6, ignore_eos=True)
+            )
+            for i, p in enumerate(PROMPTS[:2])
+        ]
+        run_all(engine)
+        outputs[backend] = [engine.output(i).token_ids for i in (first, *later)]
+    assert outputs["triton"] == outputs["spec"]
+
+
+def test_triton_backend_refuses_a_cpu_model_outside_the_interpreter(model, monkeypatch):
+    monkeypatch.setattr(kernels.checks, "INTERPRET", False)
+    with pytest.raises(ValueError, match="needs the model on a GPU"):
+        Engine(model.to("cpu"), ByteTokenizer(), backend="triton")
 
 
 def test_unseeded_request_reports_its_seed(model):
