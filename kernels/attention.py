@@ -57,6 +57,7 @@ from torch import Tensor
 from .checks import INTERPRET, check_caches, check_index_tensor, check_kernel_device
 
 LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)  # a global a kernel reads must be a constexpr
 # Split-KV: a split keeps at least this many positions, and there are at most MAX_SPLITS.
 MIN_SPLIT_LEN = 512
 MAX_SPLITS = 64
@@ -215,7 +216,7 @@ def _paged_attention_kernel(
     )
     if STORE_LSE:
         if EXP2:
-            lse = (m_i + tl.log2(l_safe)) / LOG2E
+            lse = (m_i + tl.log2(l_safe)) * LN2
         else:
             lse = m_i + tl.log(l_safe)
         lse = tl.where(seen, lse, float("-inf"))

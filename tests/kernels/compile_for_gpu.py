@@ -1,0 +1,148 @@
+"""Compile the kernels for a Hopper GPU (sm_90) on a machine without one.
+
+The Triton interpreter runs kernels as NumPy: it accepts code that the GPU
+compiler rejects (a plain Python global read inside a kernel, say) and never
+shows shared-memory or register limits. This script runs the public wrappers
+on CPU tensors with every launch intercepted: instead of running, each
+launch is compiled ahead of time, with the exact arguments, constexprs and
+launch options the wrapper chose, for `GPUTarget("cuda", 90, 32)` (ptxas
+ships with the triton wheel). It prints one JSON line per launch.
+
+    python -m tests.kernels.compile_for_gpu
+
+Must run without TRITON_INTERPRET (the kernels must be JIT functions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_for_gpu: unset TRITON_INTERPRET (the kernels must be JIT functions)")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+import kernels
+import kernels.checks
+from tests.conformance.test_attention import build_case
+
+TARGET = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_LIMIT = 232_448  # bytes per block on an H100 (227 KiB, opt-in)
+POINTER_TYPES = {
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+    torch.float64: "*fp64",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def scalar_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def compile_launch(function: JITFunction, args: tuple, kwargs: dict) -> dict:
+    """Compile one launch for TARGET; its name, constexprs and resource use."""
+    options = {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
+    constexprs = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
+    signature = {}
+    for name, value in zip(function.arg_names, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+        else:
+            signature[name] = scalar_type(value)
+    for name in constexprs:
+        signature[name] = "constexpr"
+    keys = {(function.arg_names.index(name),): value for name, value in constexprs.items()}
+    start = time.perf_counter()
+    compiled = triton.compile(
+        ASTSource(function, signature, constexprs=keys), target=TARGET, options=options
+    )
+    return {
+        "kernel": function.__name__,
+        "constexprs": {k: str(v) for k, v in constexprs.items()},
+        "shared_bytes": compiled.metadata.shared,
+        "fits": compiled.metadata.shared <= SHARED_MEMORY_LIMIT,
+        "compile_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def intercept_launches() -> list[dict]:
+    """Make every `kernel[grid](...)` compile for TARGET instead of running."""
+    compiled: list[dict] = []
+
+    def getitem(self: JITFunction, grid: object):
+        def launch(*args: object, **kwargs: object) -> None:
+            compiled.append(compile_launch(self, args, kwargs))
+            print(json.dumps(compiled[-1]), flush=True)
+
+        return launch
+
+    JITFunction.__getitem__ = getitem
+    kernels.checks.INTERPRET = True  # CPU tensors stand in for GPU ones
+    return compiled
+
+
+def attention_calls() -> None:
+    """The configurations the attention wrapper can choose."""
+    cases = [
+        # (shapes, kv heads, group, head dim, block size, dtype, index dtype, splits)
+        ([(40, 1), (9, 1)], 8, 4, 128, 16, torch.bfloat16, torch.int32, None),  # decode
+        ([(40, 1), (9, 1)], 8, 4, 128, 16, torch.bfloat16, torch.int32, 4),  # split-KV
+        ([(30, 20), (9, 1)], 3, 3, 64, 16, torch.bfloat16, torch.int64, None),  # SmolLM2 prefill
+        ([(30, 1)], 2, 8, 256, 1, torch.float16, torch.int32, None),
+        ([(30, 20)], 2, 8, 256, 3, torch.float16, torch.int32, 2),
+        ([(30, 20)], 1, 1, 80, 16, torch.float32, torch.int32, None),
+        ([(30, 20)], 2, 2, 96, 16, torch.float64, torch.int64, 3),
+    ]
+    for shapes, kv_heads, group, head_dim, block_size, dtype, index, splits in cases:
+        case = build_case(
+            shapes,
+            num_kv_heads=kv_heads,
+            group=group,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            seed=0,
+            index_dtype=index,
+        )
+        kernels.paged_attention(*case.args, return_lse=True, num_splits=splits)
+
+
+def append_calls() -> None:
+    for dtype in (torch.bfloat16, torch.float64):
+        k_cache = torch.zeros(4, 16, 8, 128, dtype=dtype)
+        key = torch.randn(3, 8, 128)
+        slots = torch.tensor([0, -1, 17])
+        kernels.append_kv(key, key, k_cache, k_cache.clone(), slots)
+
+
+def main() -> int:
+    compiled = intercept_launches()
+    attention_calls()
+    append_calls()
+    too_large = [c for c in compiled if not c["fits"]]
+    if too_large:
+        print(f"shared memory over {SHARED_MEMORY_LIMIT} bytes: {too_large}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
