@@ -7,13 +7,23 @@ with `pytest --impl <its module name>`. On a machine without a GPU the
 kernels run in the Triton interpreter (set TRITON_INTERPRET=1 before
 importing this package; the test configuration does).
 
-Kernels so far: `paged_attention` (with split-KV; see `attention.py`) and
-`append_kv`. The conformance suite lists the other operations as missing and,
-with this package as the default implementation, runs their tests as a
-self-check of the spec.
+Kernels so far: `paged_attention` (with split-KV; see `attention.py`),
+`append_kv`, and the sampling stage: `sample`, `process_logits` and
+`compute_logprobs` (`sampling.py`). The conformance suite lists the other
+operations as missing and, with this package as the default implementation,
+runs their tests as a self-check of the spec.
 """
 
 from .append import append_kv
 from .attention import paged_attention
+from .sampling import InvalidLogitsError, Logprobs, compute_logprobs, process_logits, sample
 
-__all__ = ["append_kv", "paged_attention"]
+__all__ = [
+    "InvalidLogitsError",
+    "Logprobs",
+    "append_kv",
+    "compute_logprobs",
+    "paged_attention",
+    "process_logits",
+    "sample",
+]

@@ -42,7 +42,8 @@ class Backend:
     """The stage functions the engine calls (spec and kernels share their signatures).
 
     `kernel_ops` names the stages that run as Triton kernels; the others run
-    the spec's PyTorch.
+    the spec's PyTorch. `invalid_logits_error` is the class `sample` raises
+    for invalid rows (SAMPLE-VALID-2: each implementation has its own).
     """
 
     name: str
@@ -51,6 +52,7 @@ class Backend:
     sample: Callable[..., Tensor]
     process_logits: Callable[..., Tensor]
     compute_logprobs: Callable[..., sampling.Logprobs]
+    invalid_logits_error: type[ValueError] = InvalidLogitsError
     kernel_ops: tuple[str, ...] = ()
 
 
@@ -67,8 +69,8 @@ SPEC_BACKEND = Backend(
 def get_backend(name: str) -> Backend:
     """`spec` (plain PyTorch) or `triton` (the kernels; the interpreter without a GPU).
 
-    The triton backend takes every stage `kernels` provides (attention and KV
-    append so far) and the spec's function for the others, which share the
+    The triton backend takes every stage `kernels` provides and the spec's
+    function for any it lacks (a partial vendored copy, say): they share the
     signatures. Without a CUDA device it selects the Triton interpreter,
     which has to happen before `kernels` is first imported.
     """
@@ -83,7 +85,8 @@ def get_backend(name: str) -> Backend:
     functions = {
         op: getattr(kernels if op in provided else SPEC_BACKEND, op) for op in STAGE_OPERATIONS
     }
-    return Backend("triton", **functions, kernel_ops=provided)
+    error = kernels.InvalidLogitsError if "sample" in provided else InvalidLogitsError
+    return Backend("triton", **functions, invalid_logits_error=error, kernel_ops=provided)
 
 
 def check_backend_device(backend: Backend, device: torch.device) -> None:
@@ -336,7 +339,7 @@ class Engine:
         try:
             tokens = self.backend.sample(logits, **tensors)
             invalid: list[int] = []
-        except InvalidLogitsError as error:
+        except self.backend.invalid_logits_error as error:
             tokens, invalid = error.tokens, error.rows
         now = time.perf_counter()
         logprobs = self._logprobs(batch, logits, tokens, tensors, invalid)

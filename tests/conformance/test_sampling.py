@@ -17,11 +17,12 @@ from scipy import stats
 
 from spec import registry
 from spec.logits import apply_logit_processors
-from spec.sampling import InvalidLogitsError, process_logits
+from spec.sampling import process_logits
 from spec.softmax import apply_temperature
 from tests import oracle
 from tests.strategies import (
     DEVICE,
+    LARGE,
     logits,
     min_ps,
     per_row,
@@ -340,7 +341,8 @@ def test_sample_with_processors_matches_reference(impl, x, data):
         args["presence_penalty"] = per_row(data.draw, batch, st.floats(-2, 2), torch.float32)
     try:
         tokens = impl.op("sample")(x, **args)
-    except InvalidLogitsError as error:  # min_tokens may ban every finite token of a row
+    except ValueError as error:  # min_tokens may ban every finite token of a row
+        assert_invalid_logits_error(error)
         processed = apply_logit_processors(x.double(), **processor_args(args))
         assert error.rows == (processed == -math.inf).all(-1).nonzero().flatten().tolist()
         return
@@ -413,10 +415,11 @@ def test_sampled_frequencies_match_the_filtered_distribution(
 ):
     """Chi-square goodness of fit at a fixed seed; false-positive rate 1e-3 per case.
 
-    20,000 draws: one row per step of the same request, so every draw uses
-    fresh counters of the generator.
+    One row per step of the same request, so every draw uses fresh counters
+    of the generator: 20,000 draws on a GPU, 1,000 where kernels run in the
+    Triton interpreter (about 40 ms a row there).
     """
-    draws, vocab = 20_000, 12
+    draws, vocab = (20_000 if LARGE else 1_000), 12
     x = torch.linspace(0, 3, vocab).flip(0)[None, :].repeat(draws, 1).to(DEVICE)
     x = x + torch.tensor([0.0, 0.1] * (vocab // 2), device=DEVICE)  # no ties
     args = {
@@ -443,6 +446,16 @@ def test_sampled_frequencies_match_the_filtered_distribution(
 # ---------------------------------------------------------------- validity
 
 
+def assert_invalid_logits_error(error: ValueError) -> None:
+    """SAMPLE-VALID-2: an `InvalidLogitsError`, a ValueError with `.rows` and `.tokens`.
+
+    Each implementation defines the class (kernels cannot import the spec's),
+    so the name and the attributes are the contract, not the spec's class.
+    """
+    assert type(error).__name__ == "InvalidLogitsError", repr(error)
+    assert isinstance(error.rows, list) and isinstance(error.tokens, torch.Tensor)
+
+
 @pytest.mark.clause("SAMPLE-VALID-1", "SAMPLE-VALID-2")
 @pytest.mark.parametrize("poison", ["nan", "+inf", "all -inf"])
 @given(x=logits(max_batch=4), data=st.data())
@@ -460,9 +473,9 @@ def test_invalid_rows_are_reported_and_others_sampled(impl, poison, x, data):
         else:
             y[row] = -math.inf
     args = data.draw(sampling_args(*x.shape))
-    with pytest.raises(InvalidLogitsError) as error:
+    with pytest.raises(ValueError) as error:
         impl.op("sample")(y, **args)
-    assert isinstance(error.value, ValueError)
+    assert_invalid_logits_error(error.value)
     assert error.value.rows == bad_rows
     assert str(bad_rows) in str(error.value)
     tokens = error.value.tokens.cpu()
@@ -477,7 +490,7 @@ def test_invalid_rows_are_reported_and_others_sampled(impl, poison, x, data):
 def test_processors_that_break_a_row_make_it_invalid(impl):
     # A tiny repetition penalty overflows 1e30 / 1e-30 to +inf.
     x = torch.tensor([[1e30, 0.0], [1.0, 0.0]], device=DEVICE)
-    with pytest.raises(InvalidLogitsError) as error:
+    with pytest.raises(ValueError) as error:
         impl.op("sample")(
             x,
             temperature=torch.zeros(2, device=DEVICE),
@@ -487,6 +500,7 @@ def test_processors_that_break_a_row_make_it_invalid(impl):
             frequency_penalty=torch.zeros(2, device=DEVICE),
             presence_penalty=torch.zeros(2, device=DEVICE),
         )
+    assert_invalid_logits_error(error.value)
     assert error.value.rows == [0]
     assert error.value.tokens.tolist() == [-1, 0]
 

@@ -43,8 +43,10 @@ POINTER_TYPES = {
     torch.float64: "*fp64",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.int8: "*i8",
+    torch.bool: "*i1",
 }
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 def scalar_type(value: object) -> str:
@@ -133,10 +135,44 @@ def append_calls() -> None:
         kernels.append_kv(key, key, k_cache, k_cache.clone(), slots)
 
 
+def sampling_calls() -> None:
+    """Every stage of the sampling kernel, its process_logits mode, and logprobs."""
+    batch, vocab = 2, 3000  # more than one chunk of the vocabulary
+    logits = torch.randn(batch, vocab, dtype=torch.bfloat16)
+    full = {
+        "temperature": torch.tensor([0.0, 0.8]),
+        "top_k": torch.tensor([0, 50]),
+        "top_p": torch.tensor([1.0, 0.9]),
+        "min_p": torch.tensor([0.0, 0.05]),
+        "step": torch.tensor([0, 3]),
+        "logit_bias": torch.zeros(batch, vocab),
+        "stop_token_mask": torch.zeros(batch, vocab, dtype=torch.bool),
+        "min_tokens": torch.tensor([0, 2]),
+        "prompt_mask": torch.zeros(batch, vocab, dtype=torch.bool),
+        "output_counts": torch.zeros(batch, vocab, dtype=torch.int32),
+        "repetition_penalty": torch.ones(batch),
+        "frequency_penalty": torch.zeros(batch),
+        "presence_penalty": torch.zeros(batch),
+    }
+    # The launch is intercepted: the token and scratch buffers are never written, so
+    # the wrappers' invalid-row checks read garbage. Only the launches matter here.
+    for call in (
+        lambda: kernels.sample(logits, seed=torch.tensor([1, 2]), **full),
+        lambda: kernels.sample(logits.float(), temperature=full["temperature"], seed=full["step"]),
+        lambda: kernels.process_logits(logits, **full),
+        lambda: kernels.compute_logprobs(logits, torch.tensor([0, 1]), 5),
+    ):
+        try:
+            call()
+        except ValueError:
+            pass
+
+
 def main() -> int:
     compiled = intercept_launches()
     attention_calls()
     append_calls()
+    sampling_calls()
     too_large = [c for c in compiled if not c["fits"]]
     if too_large:
         print(f"shared memory over {SHARED_MEMORY_LIMIT} bytes: {too_large}", file=sys.stderr)

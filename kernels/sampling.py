@@ -1,0 +1,738 @@
+"""Sampling in Triton: from logits to tokens in one fused, sort-free pass per row.
+
+Same names, signatures and semantics as `spec.sampling.sample`,
+`process_logits` and `compute_logprobs` (SAMPLE-*, LOGITS-*, LOGPROB-*).
+One program owns one row and walks its vocabulary `BLOCK_V` entries at a
+time:
+
+1. processors (bias, min_tokens, repetition / frequency / presence), in the
+   spec's order and in float32 (no fused multiply-add: the launch disables
+   FP fusion so each step rounds as PyTorch does); validity; the maximum and
+   its first index. The processed row goes to a float32 scratch row.
+2. greedy rows stop here. Sampled rows are scaled, `s = (z − max z) / T`
+   (correctly rounded division), so the maximum is exactly 0 and every other
+   value is negative or −inf.
+3. thresholds, found by searching the *value* domain, never by sorting. A
+   float32 maps to an int32 key that orders like the floats; the search keeps
+   an interval of keys and, per pass over the row, evaluates `NUM_PIVOTS`
+   pivots at once, so 32 bits take about 8 passes (4 in the interpreter):
+   - top-k: the largest key v with `#{s ≥ v} ≥ k` (the k-th largest value);
+     a token is kept iff its key is ≥ v, ties at the boundary included;
+   - top-p: the smallest key v with `Σ_{kept s > v} exp(s) < p · Z`, Z the
+     mass top-k kept; a token is kept iff its key is ≥ v, so the crossing
+     token and its ties stay;
+   - min-p: `ln m` directly (`s_max = 0`).
+4. one more pass draws `argmax(s + G)` over the kept tokens, with
+   `G = −ln(−ln U)` and U from Philox4x32-10 over the counter
+   `(index, step_lo, step_hi, 0)` and key `seed` (SAMPLE-RNG-2): the
+   numbers are bit-identical to the spec's.
+
+Invalid rows (NaN, +inf, nothing finite, judged after the processors) get
+token −1, and the wrapper raises `InvalidLogitsError` naming them. A row's
+result depends only on that row and its parameters (batch invariance), and
+every reduction has a fixed order (the same inputs give the same tokens).
+
+Logits must be float16, bfloat16 or float32 (float64 is the spec's
+reference dtype, not a kernel one).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .checks import INTERPRET, check_kernel_device
+
+# The int32 key of −inf: every finite float32 has a larger key (see _ordered_key).
+KEY_NEG_INF = tl.constexpr(-2139095041)
+# Pivots per search pass: 16 keep the GPU's comparisons in registers (8 passes for 32
+# bits); the interpreter pays per operation, not per element, so it takes 256 (4 passes).
+NUM_PIVOTS = 256 if INTERPRET else 16
+MAX_TOP_LOGPROBS = 20
+LOGITS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class InvalidLogitsError(ValueError):
+    """Rows whose logits are NaN, +inf or all −inf (SAMPLE-VALID-2).
+
+    `rows` lists them; `tokens` holds every row's token, −1 for those rows.
+    """
+
+    def __init__(self, rows: list[int], tokens: Tensor) -> None:
+        super().__init__(f"invalid logits (NaN, +inf or all -inf) in rows {rows}")
+        self.rows = rows
+        self.tokens = tokens
+
+
+class Logprobs(NamedTuple):
+    """What `compute_logprobs` returns, per row (the spec's fields)."""
+
+    token_logprobs: Tensor  # [batch] float32
+    ranks: Tensor  # [batch] int64, 1 = most likely
+    top_token_ids: Tensor  # [batch, n] int64
+    top_logprobs: Tensor  # [batch, n] float32
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+@triton.jit
+def _ordered_key(x):
+    """int32 keys that order like the float32 values `x` (NaN excluded; −0 as +0)."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _processed(
+    logits_row,
+    bias_row,
+    stop_row,
+    prompt_row,
+    counts_row,
+    offsets,
+    vocab,
+    banned,
+    theta,
+    alpha_f,
+    alpha_p,
+    HAS_BIAS: tl.constexpr,
+    HAS_MIN_TOKENS: tl.constexpr,
+    HAS_PENALTIES: tl.constexpr,
+):
+    """The processed logits of one chunk (LOGITS-ORDER-1); −inf past the vocabulary."""
+    in_vocab = offsets < vocab
+    z = tl.load(logits_row + offsets, mask=in_vocab, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z = z + tl.load(bias_row + offsets, mask=in_vocab, other=0.0).to(tl.float32)
+    if HAS_MIN_TOKENS:
+        stop = tl.load(stop_row + offsets, mask=in_vocab, other=0) != 0
+        z = z + tl.where(stop & banned, float("-inf"), 0.0)  # adding keeps NaN NaN
+    if HAS_PENALTIES:
+        counts = tl.load(counts_row + offsets, mask=in_vocab, other=0)
+        in_output = counts > 0
+        in_prompt = tl.load(prompt_row + offsets, mask=in_vocab, other=0) != 0
+        penalized = tl.where(z > 0, tl.div_rn(z, theta), z * theta)
+        z = tl.where(in_prompt | in_output, penalized, z)
+        z = z - alpha_f * counts.to(tl.float32)
+        z = z - alpha_p * in_output.to(tl.float32)
+    return tl.where(in_vocab, z, float("-inf"))
+
+
+@triton.jit
+def _scaled(scratch_row, offsets, vocab, z_max, temperature):
+    """`(z − max z) / T` of one chunk of the processed row (SOFTMAX-TEMP-1)."""
+    z = tl.load(scratch_row + offsets, mask=offsets < vocab, other=float("-inf"))
+    return tl.div_rn(z - z_max, temperature)
+
+
+@triton.jit
+def _pivots(lo, hi, NUM_PIVOTS: tl.constexpr):
+    """NUM_PIVOTS keys spread over (lo, hi], the last one hi."""
+    j = tl.arange(0, NUM_PIVOTS).to(tl.int64)
+    return lo + 1 + ((hi - lo - 1) * (j + 1)) // NUM_PIVOTS
+
+
+@triton.jit
+def _top_k_key(
+    scratch_row, vocab, z_max, temperature, k, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr
+):
+    """The largest key v with #{finite s : key(s) >= v} >= k: the k-th largest value's key."""
+    lo = k.to(tl.int64) * 0 + KEY_NEG_INF  # #{s >= −inf} = all finite tokens >= k
+    hi = lo * 0  # the key of the maximum, 0.0
+    while lo < hi:
+        pivots = _pivots(lo, hi, NUM_PIVOTS)
+        counts = tl.zeros([NUM_PIVOTS], tl.int32)
+        for start in range(0, vocab, BLOCK_V):
+            s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, z_max, temperature)
+            key = _ordered_key(s).to(tl.int64)
+            at_or_above = (key[:, None] >= pivots[None, :]) & (s > float("-inf"))[:, None]
+            counts += tl.sum(at_or_above.to(tl.int32), axis=0)
+        enough = counts >= k
+        lo = tl.max(tl.where(enough, pivots, lo), axis=0)
+        hi = tl.min(tl.where(enough, hi, pivots - 1), axis=0)
+    return lo
+
+
+@triton.jit
+def _top_p_key(
+    scratch_row,
+    vocab,
+    z_max,
+    temperature,
+    min_key,
+    limit,
+    BLOCK_V: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
+):
+    """The smallest key v with Σ exp(s) over kept s with key(s) > v below `limit`.
+
+    Kept: finite with key >= `min_key` (what top-k kept). `limit` is p · Z.
+    """
+    lo = min_key * 0 + KEY_NEG_INF  # everything kept lies above −inf: mass Z >= limit
+    hi = lo * 0  # nothing lies above the maximum: mass 0 < limit
+    while hi - lo > 1:
+        pivots = _pivots(lo, hi, NUM_PIVOTS)
+        mass = tl.zeros([NUM_PIVOTS], tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, z_max, temperature)
+            key = _ordered_key(s).to(tl.int64)
+            weight = tl.where((s > float("-inf")) & (key >= min_key), tl.exp(s), 0.0)
+            above = key[:, None] > pivots[None, :]
+            mass += tl.sum(tl.where(above, weight[:, None], 0.0), axis=0)
+        below = mass < limit
+        hi = tl.min(tl.where(below, pivots, hi), axis=0)
+        lo = tl.max(tl.where(below, lo, pivots), axis=0)
+    return hi
+
+
+@triton.jit
+def _kept_mass(scratch_row, vocab, z_max, temperature, min_key, BLOCK_V: tl.constexpr):
+    """Z = Σ exp(s) over the finite s with key >= min_key."""
+    total = 0.0
+    for start in range(0, vocab, BLOCK_V):
+        s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, z_max, temperature)
+        kept = (s > float("-inf")) & (_ordered_key(s).to(tl.int64) >= min_key)
+        total += tl.sum(tl.where(kept, tl.exp(s), 0.0), axis=0)
+    return total
+
+
+@triton.jit
+def _uniform(seed, step, offsets):
+    """U of the vocabulary indices `offsets` (SAMPLE-RNG-2), exact float32."""
+    zero = tl.zeros_like(offsets).to(tl.uint32)
+    step_lo = zero + (step & 0xFFFFFFFF).to(tl.uint32)
+    step_hi = zero + (step >> 32).to(tl.uint32)
+    word, _, _, _ = tl.philox(seed, offsets.to(tl.uint32), step_lo, step_hi, zero, 10)
+    return ((word >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+
+
+# ---------------------------------------------------------------- the fused kernel
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,
+    scratch_ptr,
+    tokens_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seed_ptr,
+    step_ptr,
+    bias_ptr,
+    stop_ptr,
+    min_tokens_ptr,
+    prompt_ptr,
+    counts_ptr,
+    repetition_ptr,
+    frequency_ptr,
+    presence_ptr,
+    vocab,
+    logits_stride,
+    HAS_BIAS: tl.constexpr,
+    HAS_MIN_TOKENS: tl.constexpr,
+    HAS_PENALTIES: tl.constexpr,
+    CHOOSE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
+):
+    """One row: processors, validity, greedy or scale + filters + Gumbel-max.
+
+    CHOOSE: write the token. Otherwise (process_logits) leave the row that the
+    token would be drawn from in the scratch row: filtered tokens at −inf.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * logits_stride
+    scratch_row = scratch_ptr + row * vocab
+    step = tl.load(step_ptr + row)
+    banned = False
+    if HAS_MIN_TOKENS:
+        banned = step < tl.load(min_tokens_ptr + row)
+    theta = 1.0
+    alpha_f = 0.0
+    alpha_p = 0.0
+    if HAS_PENALTIES:
+        theta = tl.load(repetition_ptr + row)
+        alpha_f = tl.load(frequency_ptr + row)
+        alpha_p = tl.load(presence_ptr + row)
+
+    # Pass 1: processed logits to the scratch row, validity, first argmax.
+    bad = 0
+    num_finite = 0
+    z_max = float("-inf")
+    argmax = 0
+    for start in range(0, vocab, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        z = _processed(
+            logits_row,
+            bias_ptr + row * vocab,
+            stop_ptr + row * vocab,
+            prompt_ptr + row * vocab,
+            counts_ptr + row * vocab,
+            offsets,
+            vocab,
+            banned,
+            theta,
+            alpha_f,
+            alpha_p,
+            HAS_BIAS,
+            HAS_MIN_TOKENS,
+            HAS_PENALTIES,
+        )
+        tl.store(scratch_row + offsets, z, mask=offsets < vocab)
+        bad += tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), axis=0)
+        num_finite += tl.sum((z > float("-inf")).to(tl.int32), axis=0)
+        chunk_max = tl.max(z, axis=0)
+        chunk_argmax = tl.min(tl.where(z == chunk_max, offsets, 2147483647), axis=0)
+        argmax = tl.where(chunk_max > z_max, chunk_argmax, argmax)  # ties: the earlier chunk
+        z_max = tl.maximum(z_max, chunk_max)
+
+    # The token slot always says what happened: −1 invalid, else the row's token
+    # (process_logits only reads the −1s).
+    temperature = tl.load(temperature_ptr + row)
+    if (bad > 0) | (num_finite == 0):  # SAMPLE-VALID-1
+        tl.store(tokens_ptr + row, -1)
+    elif temperature == 0.0:  # SAMPLE-GREEDY-1
+        tl.store(tokens_ptr + row, argmax.to(tl.int64))
+        if not CHOOSE:
+            for start in range(0, vocab, BLOCK_V):
+                offsets = start + tl.arange(0, BLOCK_V)
+                z = tl.load(scratch_row + offsets, mask=offsets < vocab)
+                tl.store(scratch_row + offsets, z - z_max, mask=offsets < vocab)
+    else:
+        # Thresholds (SAMPLE-ORDER-1): each a key; a token is kept iff its key is >= all.
+        top_k = tl.load(top_k_ptr + row)
+        key_k = top_k.to(tl.int64) * 0 + KEY_NEG_INF
+        if (top_k > 0) & (top_k < num_finite):
+            key_k = _top_k_key(scratch_row, vocab, z_max, temperature, top_k, BLOCK_V, NUM_PIVOTS)
+        top_p = tl.load(top_p_ptr + row)
+        key_p = key_k
+        if top_p < 1.0:
+            mass = _kept_mass(scratch_row, vocab, z_max, temperature, key_k, BLOCK_V)
+            key_p = _top_p_key(
+                scratch_row, vocab, z_max, temperature, key_k, top_p * mass, BLOCK_V, NUM_PIVOTS
+            )
+        min_p = tl.load(min_p_ptr + row)
+        key_m = key_k
+        if min_p > 0.0:
+            key_m = _ordered_key(tl.log(min_p)).to(tl.int64)  # s_max = 0 (SAMPLE-MINP-1)
+        threshold = tl.maximum(tl.maximum(key_k, key_p), key_m)
+
+        seed = tl.load(seed_ptr + row)
+        best = float("-inf")
+        token = 0
+        for start in range(0, vocab, BLOCK_V):
+            offsets = start + tl.arange(0, BLOCK_V)
+            s = _scaled(scratch_row, offsets, vocab, z_max, temperature)
+            kept = (s > float("-inf")) & (_ordered_key(s).to(tl.int64) >= threshold)
+            if CHOOSE:  # SAMPLE-CHOICE-1: Gumbel-max, ties to the smallest index
+                gumbel = -tl.log(-tl.log(_uniform(seed, step, offsets)))
+                score = tl.where(kept, s + gumbel, float("-inf"))
+                chunk_best = tl.max(score, axis=0)
+                chunk_token = tl.min(tl.where(score == chunk_best, offsets, 2147483647), axis=0)
+                token = tl.where(chunk_best > best, chunk_token, token)
+                best = tl.maximum(best, chunk_best)
+            else:
+                filtered = tl.where(kept, s, float("-inf"))
+                tl.store(scratch_row + offsets, filtered, mask=offsets < vocab)
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _logprobs_kernel(
+    logits_ptr,
+    token_ids_ptr,
+    valid_ptr,
+    token_logprobs_ptr,
+    ranks_ptr,
+    top_ids_ptr,
+    top_logprobs_ptr,
+    vocab,
+    logits_stride,
+    num_top,
+    BLOCK_V: tl.constexpr,
+):
+    """One row: log_softmax of the chosen token, its rank, the top `num_top` (LOGPROB-*)."""
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * logits_stride
+    bad = 0
+    z_max = float("-inf")
+    for start in range(0, vocab, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        z = tl.load(logits_row + offsets, mask=offsets < vocab, other=float("-inf"))
+        z = z.to(tl.float32)
+        bad += tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), axis=0)
+        z_max = tl.maximum(z_max, tl.max(z, axis=0))
+    valid = (bad == 0) & (z_max > float("-inf"))
+    tl.store(valid_ptr + row, valid.to(tl.int8))
+    if valid:
+        total = 0.0
+        for start in range(0, vocab, BLOCK_V):
+            offsets = start + tl.arange(0, BLOCK_V)
+            z = tl.load(logits_row + offsets, mask=offsets < vocab, other=float("-inf"))
+            total += tl.sum(tl.exp(z.to(tl.float32) - z_max), axis=0)
+        log_total = tl.log(total)
+        token = tl.load(token_ids_ptr + row)
+        # lp_i = (z_i − max z) − ln Σ exp(z_j − max z), computed alike for every i (SOFTMAX-LOG-1)
+        token_lp = (tl.load(logits_row + token).to(tl.float32) - z_max) - log_total
+        tl.store(token_logprobs_ptr + row, token_lp)
+        above = 0
+        for start in range(0, vocab, BLOCK_V):
+            offsets = start + tl.arange(0, BLOCK_V)
+            z = tl.load(logits_row + offsets, mask=offsets < vocab, other=float("-inf"))
+            lp = (z.to(tl.float32) - z_max) - log_total
+            above += tl.sum((lp > token_lp).to(tl.int32), axis=0)
+        tl.store(ranks_ptr + row, above.to(tl.int64) + 1)
+
+        # Top n: n passes, each taking the next (value descending, id ascending).
+        previous_lp = float("inf")
+        previous_id = -1
+        for t in range(0, num_top):
+            best = float("-inf")
+            best_id = 2147483647
+            for start in range(0, vocab, BLOCK_V):
+                offsets = start + tl.arange(0, BLOCK_V)
+                z = tl.load(logits_row + offsets, mask=offsets < vocab, other=float("-inf"))
+                lp = (z.to(tl.float32) - z_max) - log_total
+                after = (lp < previous_lp) | ((lp == previous_lp) & (offsets > previous_id))
+                candidate = after & (offsets < vocab)
+                chunk_best = tl.max(tl.where(candidate, lp, float("-inf")), axis=0)
+                chunk_id = tl.min(
+                    tl.where(candidate & (lp == chunk_best), offsets, 2147483647), axis=0
+                )
+                better = (chunk_best > best) | ((chunk_best == best) & (chunk_id < best_id))
+                best_id = tl.where(better, chunk_id, best_id)
+                best = tl.maximum(best, chunk_best)
+            tl.store(top_ids_ptr + row * num_top + t, best_id.to(tl.int64))
+            tl.store(top_logprobs_ptr + row * num_top + t, best)
+            previous_lp = best
+            previous_id = best_id
+
+
+# ---------------------------------------------------------------- validation
+
+# name: (low, high, low_open, high_open), PARAM-RANGE-1
+_RANGES = {
+    "temperature": (0, math.inf, False, True),
+    "top_k": (0, math.inf, False, True),
+    "top_p": (0, 1, True, False),
+    "min_p": (0, 1, False, False),
+    "step": (0, math.inf, False, True),
+    "min_tokens": (0, math.inf, False, True),
+    "output_counts": (0, math.inf, False, True),
+    "logit_bias": (-100, 100, False, False),
+    "repetition_penalty": (0, math.inf, True, True),
+    "frequency_penalty": (-2, 2, False, False),
+    "presence_penalty": (-2, 2, False, False),
+}
+_PER_TOKEN = {"logit_bias", "stop_token_mask", "prompt_mask", "output_counts"}
+_INTEGER = {"top_k", "seed", "step", "min_tokens", "output_counts"}
+_PENALTY_ARGS = (
+    "prompt_mask",
+    "output_counts",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
+def _check_range(name: str, t: Tensor, low: float, high: float, low_open: bool, high_open: bool):
+    v = t.double()
+    ok = (v > low if low_open else v >= low) & (v < high if high_open else v <= high)
+    if bool(ok.all()):
+        return
+    bad = (~ok).nonzero()[0].tolist()
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    value = t[tuple(bad)].item()
+    raise ValueError(f"{name}[{', '.join(map(str, bad))}] must be in {interval}, got {value!r}")
+
+
+def _check_logits(logits: Tensor) -> None:
+    if not isinstance(logits, Tensor) or logits.dim() != 2:
+        shape = list(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be [batch, vocab], got shape {shape}")
+    if logits.dtype not in LOGITS_DTYPES:
+        raise ValueError(
+            f"logits must be float16, bfloat16 or float32 for the Triton kernels, got "
+            f"{logits.dtype}"
+        )
+    check_kernel_device("logits", logits)
+
+
+def _check_sampling_args(logits: Tensor, args: dict[str, Tensor | None]) -> None:
+    """Shapes, dtypes, devices and ranges of `sample`'s arguments (PARAM-RANGE-1)."""
+    _check_logits(logits)
+    batch, vocab = logits.shape
+    for name, t in args.items():
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        shape = [batch, vocab] if name in _PER_TOKEN else [batch]
+        if list(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
+        if t.device != logits.device:
+            raise ValueError(f"{name} is on {t.device}, logits on {logits.device}")
+        if name in _INTEGER and (t.dtype.is_floating_point or t.dtype == torch.bool):
+            raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
+        if name in _RANGES:
+            _check_range(name, t, *_RANGES[name])
+    if (args.get("stop_token_mask") is None) != (args.get("min_tokens") is None):
+        raise ValueError("stop_token_mask and min_tokens must be given together")
+    given = [args.get(name) is not None for name in _PENALTY_ARGS]
+    if any(given) and not all(given):
+        raise ValueError(
+            "prompt_mask, output_counts, repetition_penalty, frequency_penalty and "
+            "presence_penalty must be given together"
+        )
+
+
+# ---------------------------------------------------------------- wrappers
+
+
+def _launch(logits: Tensor, args: dict[str, Tensor | None], choose: bool) -> tuple[Tensor, Tensor]:
+    """Validate, fill defaults, launch; returns (tokens, scratch row of each row)."""
+    _check_sampling_args(logits, args)
+    batch, vocab = logits.shape
+    device = logits.device
+    if choose and args.get("seed") is None and bool((args["temperature"] > 0).any()):
+        raise ValueError("seed is required when a row has temperature > 0")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+
+    def per_row(name: str, dtype: torch.dtype, default: float) -> Tensor:
+        t = args.get(name)
+        if t is None:
+            return torch.full((batch,), default, dtype=dtype, device=device)
+        return t.to(dtype).contiguous()
+
+    def per_token(name: str) -> Tensor:
+        t = args.get(name)
+        # An absent tensor is never read (its constexpr flag is off): any pointer will do.
+        return logits if t is None else t.contiguous()
+
+    tokens = torch.empty(batch, dtype=torch.int64, device=device)
+    scratch = torch.empty(batch, vocab, dtype=torch.float32, device=device)
+    if batch == 0:
+        return tokens, scratch
+    _sample_kernel[(batch,)](
+        logits,
+        scratch,
+        tokens,
+        per_row("temperature", torch.float32, 0.0),
+        per_row("top_k", torch.int64, 0),
+        per_row("top_p", torch.float32, 1.0),
+        per_row("min_p", torch.float32, 0.0),
+        per_row("seed", torch.int64, 0),
+        per_row("step", torch.int64, 0),
+        per_token("logit_bias"),
+        per_token("stop_token_mask"),
+        per_row("min_tokens", torch.int64, 0),
+        per_token("prompt_mask"),
+        per_token("output_counts"),
+        per_row("repetition_penalty", torch.float32, 1.0),
+        per_row("frequency_penalty", torch.float32, 0.0),
+        per_row("presence_penalty", torch.float32, 0.0),
+        vocab,
+        logits.stride(0),
+        HAS_BIAS=args.get("logit_bias") is not None,
+        HAS_MIN_TOKENS=args.get("stop_token_mask") is not None,
+        HAS_PENALTIES=args.get("prompt_mask") is not None,
+        CHOOSE=choose,
+        # One chunk per row in the interpreter (its cost is per step); on a GPU
+        # chunks small enough that the pivot comparisons stay in registers.
+        BLOCK_V=min(triton.next_power_of_2(vocab), 4096 if INTERPRET else 1024),
+        NUM_PIVOTS=NUM_PIVOTS,
+        num_warps=4,
+        # Each processor and the scaling round separately, as PyTorch does.
+        enable_fp_fusion=False,
+    )
+    return tokens, scratch
+
+
+def _invalid_error(tokens: Tensor) -> InvalidLogitsError | None:
+    bad = tokens < 0
+    if not bool(bad.any()):
+        return None
+    return InvalidLogitsError(bad.nonzero().flatten().tolist(), tokens)
+
+
+def sample(
+    logits: Tensor,
+    *,
+    temperature: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
+    seed: Tensor | None = None,
+    step: Tensor | None = None,
+    logit_bias: Tensor | None = None,
+    stop_token_mask: Tensor | None = None,
+    min_tokens: Tensor | None = None,
+    prompt_mask: Tensor | None = None,
+    output_counts: Tensor | None = None,
+    repetition_penalty: Tensor | None = None,
+    frequency_penalty: Tensor | None = None,
+    presence_penalty: Tensor | None = None,
+) -> Tensor:
+    """Draw one token per row, the whole pipeline in one launch (spec.sampling.sample).
+
+    Args:
+        logits: `[batch, vocab]` float16, bfloat16 or float32, any vocabulary size.
+        temperature: `[batch]` float, finite and >= 0; 0 makes the row greedy.
+        top_k: `[batch]` int >= 0 (0: off).
+        top_p: `[batch]` float in (0, 1] (1: off).
+        min_p: `[batch]` float in [0, 1] (0: off).
+        seed: `[batch]` int64 bit patterns of 64-bit seeds; required when a row
+            has temperature > 0.
+        step: `[batch]` int64 >= 0, tokens the row has generated (default 0).
+        logit_bias: `[batch, vocab]` float in [-100, 100].
+        stop_token_mask: `[batch, vocab]` bool, with `min_tokens` `[batch]` int.
+        prompt_mask: `[batch, vocab]` bool, with `output_counts` `[batch,
+            vocab]` int and the three `[batch]` penalties.
+
+    Returns:
+        `[batch]` int64 tokens: the spec's, except where two candidates'
+        scores (or a token's statistic and its threshold) are within float32
+        rounding of each other.
+
+    Raises:
+        InvalidLogitsError: some rows are invalid; `.rows` names them and
+            `.tokens` holds the other rows' tokens (−1 for those rows).
+        ValueError: an argument has the wrong shape, dtype, device or range.
+
+    Example:
+        >>> logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+        >>> sample(logits, temperature=torch.tensor([0.0, 1.0]), top_k=torch.tensor([0, 1]),
+        ...        seed=torch.tensor([0, 42]))
+        tensor([1, 1])
+    """
+    args = dict(locals())
+    del args["logits"]
+    tokens, _ = _launch(logits, args, choose=True)
+    error = _invalid_error(tokens)
+    if error is not None:
+        raise error
+    return tokens
+
+
+def process_logits(
+    logits: Tensor,
+    *,
+    temperature: Tensor,
+    top_k: Tensor | None = None,
+    top_p: Tensor | None = None,
+    min_p: Tensor | None = None,
+    step: Tensor | None = None,
+    logit_bias: Tensor | None = None,
+    stop_token_mask: Tensor | None = None,
+    min_tokens: Tensor | None = None,
+    prompt_mask: Tensor | None = None,
+    output_counts: Tensor | None = None,
+    repetition_penalty: Tensor | None = None,
+    frequency_penalty: Tensor | None = None,
+    presence_penalty: Tensor | None = None,
+) -> Tensor:
+    """The logits the token is drawn from (spec.sampling.process_logits).
+
+    Same arguments as `sample` without the seed. Sampled rows come back scaled
+    and filtered (removed tokens at −inf), greedy rows processed and shifted by
+    their maximum.
+
+    Returns:
+        `[batch, vocab]` float32.
+
+    Raises:
+        InvalidLogitsError: some rows are invalid (`.tokens` is all −1).
+        ValueError: an argument has the wrong shape, dtype, device or range.
+
+    Example:
+        >>> process_logits(torch.tensor([[0.0, 2.0, 1.0]]), temperature=torch.tensor([0.5]),
+        ...                top_k=torch.tensor([2]))
+        tensor([[-inf, 0., -2.]])
+    """
+    args = dict(locals())
+    del args["logits"]
+    tokens, processed = _launch(logits, args, choose=False)
+    error = _invalid_error(tokens)
+    if error is not None:
+        raise InvalidLogitsError(error.rows, torch.full_like(tokens, -1))
+    return processed
+
+
+def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int = 0) -> Logprobs:
+    """Log-probability, rank and top-n alternatives of chosen tokens (spec.sampling).
+
+    (LOGPROB-RAW-1, LOGPROB-RANK-1, LOGPROB-TOP-1.) Raw logits give raw
+    logprobs; the output of `process_logits` gives processed ones.
+
+    Args:
+        logits: `[batch, vocab]` float16, bfloat16 or float32; rows must be valid.
+        token_ids: `[batch]` int, the chosen tokens.
+        num_top: n in [0, 20]; the top list is found by n selection passes
+            (value descending, ties to the smaller id), not by sorting.
+
+    Returns:
+        `Logprobs` (float32 log-probabilities, int64 ranks and ids).
+
+    Raises:
+        ValueError: wrong shapes, a token id outside the vocabulary, n out of
+            range, or an invalid row (NaN, +inf or all −inf).
+
+    Example:
+        >>> lp = compute_logprobs(torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([0]), 2)
+        >>> lp.ranks, lp.top_token_ids
+        (tensor([3]), tensor([[1, 2]]))
+    """
+    _check_logits(logits)
+    if not isinstance(token_ids, Tensor) or list(token_ids.shape) != [logits.shape[0]]:
+        shape = list(token_ids.shape) if isinstance(token_ids, Tensor) else type(token_ids)
+        raise ValueError(f"token_ids must have shape [{logits.shape[0]}], got {shape}")
+    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+        raise ValueError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
+    if token_ids.device != logits.device:
+        raise ValueError(f"token_ids is on {token_ids.device}, logits on {logits.device}")
+    if not isinstance(num_top, int) or isinstance(num_top, bool):
+        raise ValueError(f"num_top must be an integer, got {num_top!r}")
+    if not 0 <= num_top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"num_top must be in [0, {MAX_TOP_LOGPROBS}], got {num_top}")
+    batch, vocab = logits.shape
+    if bool(((token_ids < 0) | (token_ids >= vocab)).any()):
+        raise ValueError(f"token_ids must be in [0, {vocab}), got {token_ids.tolist()}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    device = logits.device
+    valid = torch.empty(batch, dtype=torch.int8, device=device)
+    token_logprobs = torch.empty(batch, dtype=torch.float32, device=device)
+    ranks = torch.empty(batch, dtype=torch.int64, device=device)
+    top_ids = torch.empty(batch, num_top, dtype=torch.int64, device=device)
+    top_logprobs = torch.empty(batch, num_top, dtype=torch.float32, device=device)
+    if batch > 0:
+        _logprobs_kernel[(batch,)](
+            logits,
+            token_ids.to(torch.int64),
+            valid,
+            token_logprobs,
+            ranks,
+            top_ids,
+            top_logprobs,
+            vocab,
+            logits.stride(0),
+            num_top,
+            BLOCK_V=min(triton.next_power_of_2(vocab), 4096 if INTERPRET else 1024),
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
+    bad = valid == 0
+    if bool(bad.any()):
+        raise ValueError(
+            f"invalid logits (NaN, +inf or all -inf) in rows {bad.nonzero().flatten().tolist()}"
+        )
+    return Logprobs(token_logprobs, ranks, top_ids, top_logprobs)
