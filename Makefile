@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-cpu bench-attention
+.PHONY: run test lint bench-cpu bench-attention bench-sampling
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -36,3 +36,7 @@ bench-cpu: $(STAMP)
 # GPU benchmark of the paged attention kernel against its peers: results/attention-gpu.json
 bench-attention: $(STAMP)
 	$(PY) -m tests.benchmarks.attention
+
+# GPU benchmark of the sampling kernels against their peers: results/sampling-gpu.json
+bench-sampling: $(STAMP)
+	$(PY) -m tests.benchmarks.sampling

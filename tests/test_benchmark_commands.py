@@ -20,6 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 ATTENTION = [sys.executable, "-m", "tests.benchmarks.attention"]
 PEERS = {"sdpa", "flex_attention", "flashinfer"}
+SAMPLING = [sys.executable, "-m", "tests.benchmarks.sampling"]
+SAMPLING_PEERS = {"sort_based", "flashinfer"}
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
@@ -78,3 +80,48 @@ def test_attention_benchmark_smoke(tmp_path):
     assert len(targets) == 3
     assert all(target["met"] in (True, False, None) for target in targets)
     assert [target["met"] for target in targets[:2]] == [None, None], "issue shapes not run"
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="a CUDA GPU is present: the benchmark runs instead of refusing",
+)
+def test_sampling_benchmark_refuses_without_cuda(tmp_path):
+    out = tmp_path / "sampling.json"
+    result = run([*SAMPLING, "--out", str(out)])
+    assert result.returncode == 2, result.stderr
+    assert "a CUDA GPU is required" in result.stderr
+    assert "--smoke" in result.stderr
+    assert not out.exists()
+
+
+def test_sampling_benchmark_smoke(tmp_path):
+    out = tmp_path / "results" / "sampling.json"
+    result = run([*SAMPLING, "--smoke", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+
+    assert report["smoke"] is True
+    assert "not measurements" in report["note"]
+    assert {"date", "torch", "triton", "device"} <= set(report["environment"])
+    assert is_finite_number(report["copy_bandwidth"]["GBps"])
+    params = {case["case"]["params"]["name"] for case in report["cases"]}
+    assert len(params) == 4, "every parameter set, greedy + logprobs included"
+
+    for case in report["cases"]:
+        assert case["name"] in result.stdout
+        ours = case["ours"]
+        for key in ("median_ms", "logits_bytes", "one_read_ms", "ratio_to_one_read"):
+            assert is_finite_number(ours[key]) and ours[key] > 0, key
+        assert ours["fraction_equal_to_spec"] == 1.0, case["name"]
+        assert set(case["peers"]) == SAMPLING_PEERS
+        assert "median_ms" in case["peers"]["sort_based"], "PyTorch runs everywhere"
+        for name, peer in case["peers"].items():
+            if "unavailable" in peer:
+                assert isinstance(peer["unavailable"], str) and peer["unavailable"], name
+            else:
+                assert is_finite_number(peer["median_ms"]) and is_finite_number(peer["ratio"]), name
+
+    targets = report["targets"]
+    assert len(targets) == 3
+    assert [target["met"] for target in targets] == [None, None, None], "nothing to compare"

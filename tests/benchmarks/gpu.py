@@ -95,6 +95,27 @@ def measure_copy_bandwidth(
     return {"bytes": nbytes, "median_ms": ms, "GBps": 2 * nbytes / (ms * 1e-3) / 1e9}
 
 
+class PeerUnavailable(Exception):
+    """A peer that cannot run a case on this machine; the message says why."""
+
+
+def time_peer(prepare: Callable[[], Callable[[], object]], timer: Callable = median_ms) -> dict:
+    """`{"median_ms": ...}` of the call `prepare` returns, or `{"unavailable": reason}`.
+
+    Preparing (imports, planning, compiling) and one first call stay outside the
+    timing. A peer that is missing or fails is a result, not the end of the run.
+    """
+    try:
+        call = prepare()
+        call()
+        ms = timer(call)
+    except PeerUnavailable as reason:
+        return {"unavailable": str(reason)}
+    except Exception as error:
+        return {"unavailable": f"{type(error).__name__}: {error}"}
+    return {"median_ms": ms}
+
+
 def _strict_json(value: object) -> object:
     """`value` with each non-finite float replaced by its name ("nan", "inf", "-inf")."""
     if isinstance(value, float) and not math.isfinite(value):
