@@ -8,15 +8,22 @@ kernels run in the Triton interpreter (set TRITON_INTERPRET=1 before
 importing this package; the test configuration does).
 
 Kernels so far: `paged_attention` (with split-KV; see `attention.py`),
-`append_kv`, and the sampling stage: `sample`, `process_logits` and
-`compute_logprobs` (`sampling.py`). The conformance suite lists the other
-operations as missing and, with this package as the default implementation,
-runs their tests as a self-check of the spec.
+`append_kv`, and the sampling stage: `sample`, `process_logits`,
+`compute_logprobs` and `uniform` (`sampling.py`). The conformance suite
+lists the other operations as missing and, with this package as the default
+implementation, runs their tests as a self-check of the spec.
 """
 
 from .append import append_kv
 from .attention import paged_attention
-from .sampling import InvalidLogitsError, Logprobs, compute_logprobs, process_logits, sample
+from .sampling import (
+    InvalidLogitsError,
+    Logprobs,
+    compute_logprobs,
+    process_logits,
+    sample,
+    uniform,
+)
 
 __all__ = [
     "InvalidLogitsError",
@@ -26,4 +33,5 @@ __all__ = [
     "paged_attention",
     "process_logits",
     "sample",
+    "uniform",
 ]

@@ -15,7 +15,7 @@ time:
 3. thresholds, found by searching the *value* domain, never by sorting. A
    float32 maps to an int32 key that orders like the floats; the search keeps
    an interval of keys and, per pass over the row, evaluates `NUM_PIVOTS`
-   pivots at once, so 32 bits take about 8 passes (4 in the interpreter):
+   pivots at once, so 32 bits take about 8 passes:
    - top-k: the largest key v with `#{s ≥ v} ≥ k` (the k-th largest value);
      a token is kept iff its key is ≥ v, ties at the boundary included;
    - top-p: the smallest key v with `Σ_{kept s > v} exp(s) < p · Z`, Z the
@@ -51,8 +51,10 @@ from .checks import INTERPRET, check_kernel_device
 # The int32 key of −inf: every finite float32 has a larger key (see _ordered_key).
 KEY_NEG_INF = tl.constexpr(-2139095041)
 # Pivots per search pass: 16 keep the GPU's comparisons in registers (8 passes for 32
-# bits); the interpreter pays per operation, not per element, so it takes 256 (4 passes).
-NUM_PIVOTS = 256 if INTERPRET else 16
+# bits). The interpreter pays per operation more than per element: small vocabularies
+# take 256 pivots there (4 passes).
+NUM_PIVOTS = 16
+INTERPRETER_SMALL_VOCAB_PIVOTS = 256
 MAX_TOP_LOGPROBS = 20
 LOGITS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -203,13 +205,22 @@ def _kept_mass(scratch_row, vocab, z_max, temperature, min_key, BLOCK_V: tl.cons
 
 
 @triton.jit
-def _uniform(seed, step, offsets):
+def _uniform(seed, step, offsets, stream):
     """U of the vocabulary indices `offsets` (SAMPLE-RNG-2), exact float32."""
     zero = tl.zeros_like(offsets).to(tl.uint32)
     step_lo = zero + (step & 0xFFFFFFFF).to(tl.uint32)
     step_hi = zero + (step >> 32).to(tl.uint32)
-    word, _, _, _ = tl.philox(seed, offsets.to(tl.uint32), step_lo, step_hi, zero, 10)
+    counter_3 = zero + stream
+    word, _, _, _ = tl.philox(seed, offsets.to(tl.uint32), step_lo, step_hi, counter_3, 10)
     return ((word >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, step_ptr, out_ptr, vocab, stream, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    u = _uniform(tl.load(seed_ptr + row), tl.load(step_ptr + row), offsets, stream)
+    tl.store(out_ptr + row * vocab + offsets, u.to(out_ptr.dtype.element_ty), mask=offsets < vocab)
 
 
 # ---------------------------------------------------------------- the fused kernel
@@ -333,7 +344,7 @@ def _sample_kernel(
             s = _scaled(scratch_row, offsets, vocab, z_max, temperature)
             kept = (s > float("-inf")) & (_ordered_key(s).to(tl.int64) >= threshold)
             if CHOOSE:  # SAMPLE-CHOICE-1: Gumbel-max, ties to the smallest index
-                gumbel = -tl.log(-tl.log(_uniform(seed, step, offsets)))
+                gumbel = -tl.log(-tl.log(_uniform(seed, step, offsets, 0)))
                 score = tl.where(kept, s + gumbel, float("-inf"))
                 chunk_best = tl.max(score, axis=0)
                 chunk_token = tl.min(tl.where(score == chunk_best, offsets, 2147483647), axis=0)
@@ -549,7 +560,7 @@ def _launch(logits: Tensor, args: dict[str, Tensor | None], choose: bool) -> tup
         # One chunk per row in the interpreter (its cost is per step); on a GPU
         # chunks small enough that the pivot comparisons stay in registers.
         BLOCK_V=min(triton.next_power_of_2(vocab), 4096 if INTERPRET else 1024),
-        NUM_PIVOTS=NUM_PIVOTS,
+        NUM_PIVOTS=INTERPRETER_SMALL_VOCAB_PIVOTS if INTERPRET and vocab <= 1024 else NUM_PIVOTS,
         num_warps=4,
         # Each processor and the scaling round separately, as PyTorch does.
         enable_fp_fusion=False,
@@ -562,6 +573,53 @@ def _invalid_error(tokens: Tensor) -> InvalidLogitsError | None:
     if not bool(bad.any()):
         return None
     return InvalidLogitsError(bad.nonzero().flatten().tolist(), tokens)
+
+
+def uniform(
+    seed: Tensor,
+    step: Tensor,
+    vocab_size: int,
+    stream: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """`[batch, vocab_size]` uniform numbers of each row, bit-identical to the spec's.
+
+    (SAMPLE-RNG-1, SAMPLE-RNG-2, SAMPLE-RNG-3.) Philox4x32-10 with key `seed`
+    and counter `(index, step_lo, step_hi, stream)`; `U = (2·⌊w / 2^9⌋ + 1) / 2^24`.
+
+    Args:
+        seed: `[batch]` int64, the bit pattern of each row's 64-bit seed.
+        step: `[batch]` int64 >= 0, tokens the row has generated so far.
+        vocab_size: number of vocabulary indices, >= 0.
+        stream: which independent stream, in [0, 2^32) (0: token choice).
+        dtype: float32 or float64 (the values are exact in both).
+
+    Example:
+        >>> uniform(torch.tensor([0]), torch.tensor([0]), 2)
+        tensor([[0.3990, 0.9722]])
+    """
+    for name, t in (("seed", seed), ("step", step)):
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a [batch] int32/int64 tensor, got {t!r}")
+        check_kernel_device(name, t)
+    if step.shape != seed.shape or step.device != seed.device:
+        raise ValueError(f"step must match seed's shape {list(seed.shape)} and device")
+    if bool((step < 0).any()):
+        raise ValueError(f"step must be >= 0, got {step.tolist()}")
+    if not isinstance(vocab_size, int) or vocab_size < 0:
+        raise ValueError(f"vocab_size must be an int >= 0, got {vocab_size!r}")
+    if not isinstance(stream, int) or not 0 <= stream < 2**32:
+        raise ValueError(f"stream must be an int in [0, 2^32), got {stream!r}")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    out = torch.empty(seed.shape[0], vocab_size, dtype=dtype, device=seed.device)
+    if out.numel() == 0:
+        return out
+    block = min(triton.next_power_of_2(vocab_size), 1024)
+    _uniform_kernel[(seed.shape[0], triton.cdiv(vocab_size, block))](
+        seed.to(torch.int64), step.to(torch.int64), out, vocab_size, stream, BLOCK_V=block
+    )
+    return out
 
 
 def sample(

@@ -112,7 +112,14 @@ def test_every_operation_names_real_clauses():
 
 
 @pytest.mark.parametrize(
-    "module", (*registry.SPEC_MODULES, "spec.registry", "kernels.append", "kernels.attention")
+    "module",
+    (
+        *registry.SPEC_MODULES,
+        "spec.registry",
+        "kernels.append",
+        "kernels.attention",
+        "kernels.sampling",
+    ),
 )
 def test_docstring_examples_run(module):
     result = doctest.testmod(

@@ -416,10 +416,11 @@ def test_sampled_frequencies_match_the_filtered_distribution(
     """Chi-square goodness of fit at a fixed seed; false-positive rate 1e-3 per case.
 
     One row per step of the same request, so every draw uses fresh counters
-    of the generator: 20,000 draws on a GPU, 1,000 where kernels run in the
-    Triton interpreter (about 40 ms a row there).
+    of the generator: 20,000 draws on a GPU, 500 where kernels run in the
+    Triton interpreter (about 50 ms a row there). The 500 still catch a
+    filtered token drawn at all, and gross departures from the distribution.
     """
-    draws, vocab = (20_000 if LARGE else 1_000), 12
+    draws, vocab = (20_000 if LARGE else 500), 12
     x = torch.linspace(0, 3, vocab).flip(0)[None, :].repeat(draws, 1).to(DEVICE)
     x = x + torch.tensor([0.0, 0.1] * (vocab // 2), device=DEVICE)  # no ties
     args = {

@@ -704,7 +704,7 @@ def test_show_probs_out_of_range_exits_2(model):
 
 def test_triton_backend_gives_the_spec_backends_greedy_tokens(model, greedy, monkeypatch):
     """The bundled model through the Triton kernels (in the interpreter without a GPU)."""
-    calls = dict.fromkeys(("paged_attention", "append_kv"), 0)
+    calls = dict.fromkeys(("paged_attention", "append_kv", "sample", "compute_logprobs"), 0)
     for op in calls:
         function = getattr(kernels, op)
 
@@ -716,11 +716,26 @@ def test_triton_backend_gives_the_spec_backends_greedy_tokens(model, greedy, mon
     triton = run_cli(model, *GREEDY_ARGS, "--backend", "triton").json()
     forwards = GREEDY_TOKENS  # the prefill, then one decode step per further token
     num_layers = len(model[0].layers)
-    assert calls == dict.fromkeys(calls, forwards * num_layers)
+    assert calls["paged_attention"] == calls["append_kv"] == forwards * num_layers
+    assert calls["sample"] == calls["compute_logprobs"] == forwards
     assert triton["token_ids"] == greedy["token_ids"]
     assert triton["text"] == greedy["text"]
     for spec_step, triton_step in zip(greedy["logprobs"], triton["logprobs"], strict=True):
         assert triton_step["logprob"] == pytest.approx(spec_step["logprob"], abs=1e-4)
+        assert triton_step["rank"] == spec_step["rank"]
+        assert [t["token_id"] for t in triton_step["top"]] == [
+            t["token_id"] for t in spec_step["top"]
+        ]
+
+
+@pytest.mark.clause("SAMPLE-RNG-3")
+def test_triton_backend_gives_the_spec_backends_seeded_tokens(model):
+    args = ("generate", QUESTION, *SAMPLED_FLAGS, "--max-tokens", "8", "--ignore-eos", "--json")
+    spec = run_cli(model, *args).json()
+    triton = run_cli(model, *args, "--backend", "triton").json()
+    assert triton["seed"] == spec["seed"] == 7
+    assert triton["token_ids"] == spec["token_ids"]
+    assert triton["text"] == spec["text"]
 
 
 def test_request_error_exits_1_without_traceback(model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -323,6 +324,19 @@ def test_triton_backend_generates_what_the_spec_backend_generates(model):
         run_all(engine)
         outputs[backend] = [engine.output(i).token_ids for i in (first, *later)]
     assert outputs["triton"] == outputs["spec"]
+
+
+@pytest.mark.clause("SAMPLE-VALID-2")
+def test_triton_backend_fails_a_request_with_invalid_logits_alone(model):
+    """The kernels' InvalidLogitsError reaches the engine like the spec's."""
+    broken = dataclasses.replace(model, output=model.output.clone())
+    broken.output[ord("q")] = math.nan  # NaN logit for token "q", at every position
+    engine = Engine(broken, ByteTokenizer(), backend="triton", block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ok = engine.add_request(PROMPTS[0], greedy)
+    run_all(engine)
+    assert engine.output(ok).finish_reason == "error"
+    assert "NaN or infinite logits" in engine.output(ok).error
 
 
 def test_triton_backend_refuses_a_cpu_model_outside_the_interpreter(model, monkeypatch):
