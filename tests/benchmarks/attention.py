@@ -44,6 +44,7 @@ from tests.benchmarks.gpu import (
     COPY_BYTES,
     RESULTS,
     SMOKE_NOTE,
+    PeerUnavailable,
     describe_environment,
     measure_copy_bandwidth,
     median_ms,
@@ -191,10 +192,6 @@ def from_dense(out: Tensor) -> Tensor:
 # ---------------------------------------------------------------- the peers
 # Each prepares a call on the inputs (planning and compiling happen there,
 # outside the timing); only the call itself is timed.
-
-
-class PeerUnavailable(Exception):
-    """A peer that cannot run this shape on this machine; the message says why."""
 
 
 class PeerCall(NamedTuple):
