@@ -9,7 +9,8 @@ importing this package; the test configuration does).
 
 Kernels so far: `paged_attention` (with split-KV; see `attention.py`),
 `append_kv`, and the sampling stage: `sample`, `process_logits`,
-`compute_logprobs` and `uniform` (`sampling.py`). The conformance suite
+`compute_logprobs`, `greedy`, the three filter masks and `uniform`
+(`sampling.py`). The conformance suite
 lists the other operations as missing and, with this package as the default
 implementation, runs their tests as a self-check of the spec.
 """
@@ -20,8 +21,12 @@ from .sampling import (
     InvalidLogitsError,
     Logprobs,
     compute_logprobs,
+    greedy,
+    min_p_mask,
     process_logits,
     sample,
+    top_k_mask,
+    top_p_mask,
     uniform,
 )
 
@@ -30,8 +35,12 @@ __all__ = [
     "Logprobs",
     "append_kv",
     "compute_logprobs",
+    "greedy",
+    "min_p_mask",
     "paged_attention",
     "process_logits",
     "sample",
+    "top_k_mask",
+    "top_p_mask",
     "uniform",
 ]

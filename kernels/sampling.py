@@ -127,10 +127,11 @@ def _processed(
 
 
 @triton.jit
-def _scaled(scratch_row, offsets, vocab, z_max, temperature):
-    """`(z − max z) / T` of one chunk of the processed row (SOFTMAX-TEMP-1)."""
+def _scaled(scratch_row, offsets, vocab, shift, scale):
+    """`(z − shift) / scale` of one chunk of the processed row: `(z − max z) / T`
+    when sampling (SOFTMAX-TEMP-1), z itself (shift 0, scale 1) for the masks."""
     z = tl.load(scratch_row + offsets, mask=offsets < vocab, other=float("-inf"))
-    return tl.div_rn(z - z_max, temperature)
+    return tl.div_rn(z - shift, scale)
 
 
 @triton.jit
@@ -142,16 +143,23 @@ def _pivots(lo, hi, NUM_PIVOTS: tl.constexpr):
 
 @triton.jit
 def _top_k_key(
-    scratch_row, vocab, z_max, temperature, k, BLOCK_V: tl.constexpr, NUM_PIVOTS: tl.constexpr
+    scratch_row,
+    vocab,
+    shift,
+    scale,
+    max_key,
+    k,
+    BLOCK_V: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
 ):
     """The largest key v with #{finite s : key(s) >= v} >= k: the k-th largest value's key."""
     lo = k.to(tl.int64) * 0 + KEY_NEG_INF  # #{s >= −inf} = all finite tokens >= k
-    hi = lo * 0  # the key of the maximum, 0.0
+    hi = max_key
     while lo < hi:
         pivots = _pivots(lo, hi, NUM_PIVOTS)
         counts = tl.zeros([NUM_PIVOTS], tl.int32)
         for start in range(0, vocab, BLOCK_V):
-            s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, z_max, temperature)
+            s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, shift, scale)
             key = _ordered_key(s).to(tl.int64)
             at_or_above = (key[:, None] >= pivots[None, :]) & (s > float("-inf"))[:, None]
             counts += tl.sum(at_or_above.to(tl.int32), axis=0)
@@ -165,8 +173,9 @@ def _top_k_key(
 def _top_p_key(
     scratch_row,
     vocab,
-    z_max,
-    temperature,
+    shift,
+    scale,
+    s_max,
     min_key,
     limit,
     BLOCK_V: tl.constexpr,
@@ -174,17 +183,18 @@ def _top_p_key(
 ):
     """The smallest key v with Σ exp(s) over kept s with key(s) > v below `limit`.
 
-    Kept: finite with key >= `min_key` (what top-k kept). `limit` is p · Z.
+    Kept: finite with key >= `min_key` (what top-k kept). `limit` is p · Z, the
+    masses taken relative to the maximum `s_max` (exp(s − s_max): no overflow).
     """
     lo = min_key * 0 + KEY_NEG_INF  # everything kept lies above −inf: mass Z >= limit
-    hi = lo * 0  # nothing lies above the maximum: mass 0 < limit
+    hi = _ordered_key(s_max).to(tl.int64)  # nothing lies above the maximum: mass 0 < limit
     while hi - lo > 1:
         pivots = _pivots(lo, hi, NUM_PIVOTS)
         mass = tl.zeros([NUM_PIVOTS], tl.float32)
         for start in range(0, vocab, BLOCK_V):
-            s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, z_max, temperature)
+            s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, shift, scale)
             key = _ordered_key(s).to(tl.int64)
-            weight = tl.where((s > float("-inf")) & (key >= min_key), tl.exp(s), 0.0)
+            weight = tl.where((s > float("-inf")) & (key >= min_key), tl.exp(s - s_max), 0.0)
             above = key[:, None] > pivots[None, :]
             mass += tl.sum(tl.where(above, weight[:, None], 0.0), axis=0)
         below = mass < limit
@@ -194,13 +204,13 @@ def _top_p_key(
 
 
 @triton.jit
-def _kept_mass(scratch_row, vocab, z_max, temperature, min_key, BLOCK_V: tl.constexpr):
-    """Z = Σ exp(s) over the finite s with key >= min_key."""
+def _kept_mass(scratch_row, vocab, shift, scale, s_max, min_key, BLOCK_V: tl.constexpr):
+    """Z = Σ exp(s − s_max) over the finite s with key >= min_key."""
     total = 0.0
     for start in range(0, vocab, BLOCK_V):
-        s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, z_max, temperature)
+        s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, shift, scale)
         kept = (s > float("-inf")) & (_ordered_key(s).to(tl.int64) >= min_key)
-        total += tl.sum(tl.where(kept, tl.exp(s), 0.0), axis=0)
+        total += tl.sum(tl.where(kept, tl.exp(s - s_max), 0.0), axis=0)
     return total
 
 
@@ -251,6 +261,7 @@ def _sample_kernel(
     HAS_MIN_TOKENS: tl.constexpr,
     HAS_PENALTIES: tl.constexpr,
     CHOOSE: tl.constexpr,
+    FILTERS_ONLY: tl.constexpr,
     BLOCK_V: tl.constexpr,
     NUM_PIVOTS: tl.constexpr,
 ):
@@ -258,6 +269,8 @@ def _sample_kernel(
 
     CHOOSE: write the token. Otherwise (process_logits) leave the row that the
     token would be drawn from in the scratch row: filtered tokens at −inf.
+    FILTERS_ONLY (the mask operations): no temperature; the filters act on the
+    logits as given, which the scratch row then holds with removed tokens at −inf.
     """
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
@@ -310,7 +323,7 @@ def _sample_kernel(
     temperature = tl.load(temperature_ptr + row)
     if (bad > 0) | (num_finite == 0):  # SAMPLE-VALID-1
         tl.store(tokens_ptr + row, -1)
-    elif temperature == 0.0:  # SAMPLE-GREEDY-1
+    elif (temperature == 0.0) & (not FILTERS_ONLY):  # SAMPLE-GREEDY-1
         tl.store(tokens_ptr + row, argmax.to(tl.int64))
         if not CHOOSE:
             for start in range(0, vocab, BLOCK_V):
@@ -319,21 +332,40 @@ def _sample_kernel(
                 tl.store(scratch_row + offsets, z - z_max, mask=offsets < vocab)
     else:
         # Thresholds (SAMPLE-ORDER-1): each a key; a token is kept iff its key is >= all.
+        # Sampling scales s = (z − max z) / T, so max s = 0; the masks filter z as is.
+        shift = z_max
+        scale = temperature
+        s_max = z_max * 0.0
+        if FILTERS_ONLY:
+            shift = z_max * 0.0
+            scale = temperature * 0.0 + 1.0
+            s_max = z_max
+        max_key = _ordered_key(s_max).to(tl.int64)
         top_k = tl.load(top_k_ptr + row)
         key_k = top_k.to(tl.int64) * 0 + KEY_NEG_INF
         if (top_k > 0) & (top_k < num_finite):
-            key_k = _top_k_key(scratch_row, vocab, z_max, temperature, top_k, BLOCK_V, NUM_PIVOTS)
+            key_k = _top_k_key(
+                scratch_row, vocab, shift, scale, max_key, top_k, BLOCK_V, NUM_PIVOTS
+            )
         top_p = tl.load(top_p_ptr + row)
         key_p = key_k
         if top_p < 1.0:
-            mass = _kept_mass(scratch_row, vocab, z_max, temperature, key_k, BLOCK_V)
+            mass = _kept_mass(scratch_row, vocab, shift, scale, s_max, key_k, BLOCK_V)
             key_p = _top_p_key(
-                scratch_row, vocab, z_max, temperature, key_k, top_p * mass, BLOCK_V, NUM_PIVOTS
+                scratch_row,
+                vocab,
+                shift,
+                scale,
+                s_max,
+                key_k,
+                top_p * mass,
+                BLOCK_V,
+                NUM_PIVOTS,
             )
         min_p = tl.load(min_p_ptr + row)
         key_m = key_k
-        if min_p > 0.0:
-            key_m = _ordered_key(tl.log(min_p)).to(tl.int64)  # s_max = 0 (SAMPLE-MINP-1)
+        if min_p > 0.0:  # SAMPLE-MINP-1: s >= max s + ln m
+            key_m = _ordered_key(s_max + tl.log(min_p)).to(tl.int64)
         threshold = tl.maximum(tl.maximum(key_k, key_p), key_m)
 
         seed = tl.load(seed_ptr + row)
@@ -341,7 +373,7 @@ def _sample_kernel(
         token = 0
         for start in range(0, vocab, BLOCK_V):
             offsets = start + tl.arange(0, BLOCK_V)
-            s = _scaled(scratch_row, offsets, vocab, z_max, temperature)
+            s = _scaled(scratch_row, offsets, vocab, shift, scale)
             kept = (s > float("-inf")) & (_ordered_key(s).to(tl.int64) >= threshold)
             if CHOOSE:  # SAMPLE-CHOICE-1: Gumbel-max, ties to the smallest index
                 gumbel = -tl.log(-tl.log(_uniform(seed, step, offsets, 0)))
@@ -508,11 +540,15 @@ def _check_sampling_args(logits: Tensor, args: dict[str, Tensor | None]) -> None
 # ---------------------------------------------------------------- wrappers
 
 
-def _launch(logits: Tensor, args: dict[str, Tensor | None], choose: bool) -> tuple[Tensor, Tensor]:
+def _launch(
+    logits: Tensor, args: dict[str, Tensor | None], choose: bool, filters_only: bool = False
+) -> tuple[Tensor, Tensor]:
     """Validate, fill defaults, launch; returns (tokens, scratch row of each row)."""
     _check_sampling_args(logits, args)
     batch, vocab = logits.shape
     device = logits.device
+    if filters_only:
+        args = {**args, "temperature": torch.ones(batch, device=device)}
     if choose and args.get("seed") is None and bool((args["temperature"] > 0).any()):
         raise ValueError("seed is required when a row has temperature > 0")
     if logits.stride(-1) != 1:
@@ -557,6 +593,7 @@ def _launch(logits: Tensor, args: dict[str, Tensor | None], choose: bool) -> tup
         HAS_MIN_TOKENS=args.get("stop_token_mask") is not None,
         HAS_PENALTIES=args.get("prompt_mask") is not None,
         CHOOSE=choose,
+        FILTERS_ONLY=filters_only,
         # One chunk per row in the interpreter (its cost is per step); on a GPU
         # chunks small enough that the pivot comparisons stay in registers.
         BLOCK_V=min(triton.next_power_of_2(vocab), 4096 if INTERPRET else 1024),
@@ -573,6 +610,71 @@ def _invalid_error(tokens: Tensor) -> InvalidLogitsError | None:
     if not bool(bad.any()):
         return None
     return InvalidLogitsError(bad.nonzero().flatten().tolist(), tokens)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """`[batch]` int64: the smallest index of each row's maximum (SAMPLE-GREEDY-1).
+
+    Rows with NaN, +inf or nothing finite have no maximum in the spec's sense
+    (SAMPLE-VALID-1): their token is −1.
+
+    Example:
+        >>> greedy(torch.tensor([[1.0, 3.0, 3.0, 2.0]]))
+        tensor([1])
+    """
+    _check_logits(logits)
+    tokens, _ = _launch(logits, {"temperature": torch.zeros_like(logits[:, 0])}, choose=True)
+    return tokens
+
+
+def _filter_mask(logits: Tensor, name: str, values: Tensor) -> Tensor:
+    """The tokens one filter keeps of the logits as given (no temperature, no processors)."""
+    _check_logits(logits)
+    _, filtered = _launch(logits, {name: values}, choose=False, filters_only=True)
+    return filtered > float("-inf")
+
+
+def top_k_mask(logits: Tensor, top_k: Tensor) -> Tensor:
+    """`[batch, vocab]` bool, True for tokens top-k keeps (SAMPLE-TOPK-1, SAMPLE-TOPK-2).
+
+    Args:
+        logits: `[batch, vocab]` float16, bfloat16 or float32; −inf entries are masked.
+        top_k: `[batch]` int, >= 0; 0 keeps every finite token.
+
+    Example:
+        >>> top_k_mask(torch.tensor([[3.0, 1.0, 2.0, 2.0]]), torch.tensor([2]))
+        tensor([[ True, False,  True,  True]])
+    """
+    return _filter_mask(logits, "top_k", top_k)
+
+
+def top_p_mask(logits: Tensor, top_p: Tensor) -> Tensor:
+    """`[batch, vocab]` bool, True for tokens top-p keeps (SAMPLE-TOPP-1, SAMPLE-TOPP-2).
+
+    Args:
+        logits: `[batch, vocab]` float16, bfloat16 or float32; −inf entries are
+            masked (π is the softmax over the rest).
+        top_p: `[batch]`, in (0, 1]; 1 keeps every finite token.
+
+    Example:
+        >>> top_p_mask(torch.tensor([[2.0, 1.0, 1.0, 0.0]]).log(), torch.tensor([0.5]))
+        tensor([[ True, False, False, False]])
+    """
+    return _filter_mask(logits, "top_p", top_p)
+
+
+def min_p_mask(logits: Tensor, min_p: Tensor) -> Tensor:
+    """`[batch, vocab]` bool, True for tokens min-p keeps (SAMPLE-MINP-1).
+
+    Args:
+        logits: `[batch, vocab]` float16, bfloat16 or float32; −inf entries are masked.
+        min_p: `[batch]`, in [0, 1]; 0 keeps every finite token.
+
+    Example:
+        >>> min_p_mask(torch.tensor([[4.0, 2.0, 1.0]]).log(), torch.tensor([0.5]))
+        tensor([[ True,  True, False]])
+    """
+    return _filter_mask(logits, "min_p", min_p)
 
 
 def uniform(

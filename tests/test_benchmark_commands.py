@@ -38,13 +38,32 @@ def is_finite_number(value) -> bool:
     torch.cuda.is_available(),
     reason="a CUDA GPU is present: the benchmark runs instead of refusing",
 )
-def test_attention_benchmark_refuses_without_cuda(tmp_path):
-    out = tmp_path / "attention.json"
-    result = run([*ATTENTION, "--out", str(out)])
+@pytest.mark.parametrize("command", [ATTENTION, SAMPLING], ids=["attention", "sampling"])
+def test_benchmark_refuses_without_cuda(tmp_path, command):
+    out = tmp_path / "results.json"
+    result = run([*command, "--out", str(out)])
     assert result.returncode == 2, result.stderr
     assert "a CUDA GPU is required" in result.stderr
     assert "--smoke" in result.stderr
     assert not out.exists()
+
+
+def assert_smoke_header(report: dict) -> None:
+    assert report["smoke"] is True
+    assert "not measurements" in report["note"]
+    assert {"date", "torch", "triton", "device"} <= set(report["environment"])
+    assert is_finite_number(report["copy_bandwidth"]["GBps"])
+
+
+def assert_peers(peers: dict, names: set[str], always: str) -> None:
+    """Every peer is measured or says why not; `always` runs everywhere."""
+    assert set(peers) == names
+    assert "median_ms" in peers[always], f"{always} runs everywhere"
+    for name, peer in peers.items():
+        if "unavailable" in peer:
+            assert isinstance(peer["unavailable"], str) and peer["unavailable"], name
+        else:
+            assert is_finite_number(peer["median_ms"]) and is_finite_number(peer["ratio"]), name
 
 
 def test_attention_benchmark_smoke(tmp_path):
@@ -52,11 +71,7 @@ def test_attention_benchmark_smoke(tmp_path):
     result = run([*ATTENTION, "--smoke", "--out", str(out)])
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-
-    assert report["smoke"] is True
-    assert "not measurements" in report["note"]
-    assert {"date", "torch", "triton", "device"} <= set(report["environment"])
-    assert is_finite_number(report["copy_bandwidth"]["GBps"])
+    assert_smoke_header(report)
     kinds = {shape["shape"]["q_len"] > 1 for shape in report["shapes"]}
     assert kinds == {False, True}, "a decode shape and a chunked-prefill shape"
 
@@ -68,13 +83,7 @@ def test_attention_benchmark_smoke(tmp_path):
             assert is_finite_number(ours[key]) and ours[key] > 0, key
         assert is_finite_number(ours["relative_error_vs_sdpa"])
         assert ours["within_tolerance"] is True
-        assert set(shape["peers"]) == PEERS
-        assert "median_ms" in shape["peers"]["sdpa"], "SDPA runs everywhere"
-        for name, peer in shape["peers"].items():
-            if "unavailable" in peer:
-                assert isinstance(peer["unavailable"], str) and peer["unavailable"], name
-            else:
-                assert is_finite_number(peer["median_ms"]) and is_finite_number(peer["ratio"]), name
+        assert_peers(shape["peers"], PEERS, always="sdpa")
 
     targets = report["targets"]
     assert len(targets) == 3
@@ -82,29 +91,12 @@ def test_attention_benchmark_smoke(tmp_path):
     assert [target["met"] for target in targets[:2]] == [None, None], "issue shapes not run"
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="a CUDA GPU is present: the benchmark runs instead of refusing",
-)
-def test_sampling_benchmark_refuses_without_cuda(tmp_path):
-    out = tmp_path / "sampling.json"
-    result = run([*SAMPLING, "--out", str(out)])
-    assert result.returncode == 2, result.stderr
-    assert "a CUDA GPU is required" in result.stderr
-    assert "--smoke" in result.stderr
-    assert not out.exists()
-
-
 def test_sampling_benchmark_smoke(tmp_path):
     out = tmp_path / "results" / "sampling.json"
     result = run([*SAMPLING, "--smoke", "--out", str(out)])
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-
-    assert report["smoke"] is True
-    assert "not measurements" in report["note"]
-    assert {"date", "torch", "triton", "device"} <= set(report["environment"])
-    assert is_finite_number(report["copy_bandwidth"]["GBps"])
+    assert_smoke_header(report)
     params = {case["case"]["params"]["name"] for case in report["cases"]}
     assert len(params) == 4, "every parameter set, greedy + logprobs included"
 
@@ -114,13 +106,7 @@ def test_sampling_benchmark_smoke(tmp_path):
         for key in ("median_ms", "logits_bytes", "one_read_ms", "ratio_to_one_read"):
             assert is_finite_number(ours[key]) and ours[key] > 0, key
         assert ours["fraction_equal_to_spec"] == 1.0, case["name"]
-        assert set(case["peers"]) == SAMPLING_PEERS
-        assert "median_ms" in case["peers"]["sort_based"], "PyTorch runs everywhere"
-        for name, peer in case["peers"].items():
-            if "unavailable" in peer:
-                assert isinstance(peer["unavailable"], str) and peer["unavailable"], name
-            else:
-                assert is_finite_number(peer["median_ms"]) and is_finite_number(peer["ratio"]), name
+        assert_peers(case["peers"], SAMPLING_PEERS, always="sort_based")
 
     targets = report["targets"]
     assert len(targets) == 3

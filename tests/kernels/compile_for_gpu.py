@@ -161,6 +161,7 @@ def sampling_calls() -> None:
         lambda: kernels.sample(logits.float(), temperature=full["temperature"], seed=full["step"]),
         lambda: kernels.process_logits(logits, **full),
         lambda: kernels.compute_logprobs(logits, torch.tensor([0, 1]), 5),
+        lambda: kernels.top_p_mask(logits, full["top_p"]),
     ):
         try:
             call()
