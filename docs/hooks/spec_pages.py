@@ -1,0 +1,411 @@
+"""MkDocs hook: the site's pages that are generated from the project's sources.
+
+- `stages/<stage>.md`, one page per spec module: its docstring as prose, each
+  numbered clause as a block anchored at its id in lower case (so
+  `stages/sampling.md#sample-topk-1` links to SAMPLE-TOPK-1), the tests that
+  mark the clause, the engines it differs from, and the reference code read
+  from the module with `inspect.getsource`. The pages are virtual: nothing is
+  written to docs/.
+- `kernels.md`: the marker `<!-- kernels-api -->` becomes the public API of
+  `kernels/`, read from the docstrings of `kernels.__all__` with `ast` (the
+  kernels are never imported, so the build needs neither a GPU nor Triton).
+- `conformance.md`: the marker `<!-- conformance-matrix -->` becomes the
+  clause → tests → outcome matrix of `docs/conformance-report.json`, the
+  report of a real run of the conformance suite.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
+
+from spec import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS_MARKER = "<!-- kernels-api -->"
+MATRIX_MARKER = "<!-- conformance-matrix -->"
+REPORT = ROOT / "docs" / "conformance-report.json"
+SAMPLING_PICTURES = "sampling-pictures.md"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A page of the spec: its file name, title and spec module."""
+
+    name: str
+    title: str
+    module: str
+
+
+STAGES = (
+    Stage("forward", "Forward pass", "spec.forward"),
+    Stage("attention", "Attention", "spec.attention"),
+    Stage("logits", "Logits", "spec.logits"),
+    Stage("softmax", "Softmax", "spec.softmax"),
+    Stage("sampling", "Sampling", "spec.sampling"),
+    Stage("append", "Append", "spec.append"),
+    Stage("stop", "Stop", "spec.stop"),
+)
+
+# Differences from other engines that the clause texts do not state, by
+# stage and engine. Each names the clause it concerns.
+KNOWN_DIFFERENCES: dict[str, dict[str, str]] = {
+    "forward": {
+        "llama.cpp": "GGUF files store the rows of the Q and K projections permuted for "
+        "llama.cpp's interleaved RoPE layout; this spec uses the half-split layout of "
+        "Hugging Face and the loader un-permutes them (FWD-ROPE-1).",
+    },
+    "attention": {
+        "FlashInfer": "describes the pages of a batch in CSR form (`kv_indptr`, `kv_indices`, "
+        "`kv_last_page_len`) instead of a padded block table (ATTN-LAYOUT-1).",
+    },
+    "logits": {
+        "Hugging Face": "`generate` has a repetition penalty but no frequency or presence "
+        "penalty (LOGITS-FREQ-1, LOGITS-PRES-1).",
+        "llama.cpp": "applies its penalties to the last `penalty_last_n` tokens only "
+        "(64 by default), not to the whole prompt and output (LOGITS-REP-1).",
+    },
+    "sampling": {
+        "llama.cpp": "its default sampler chain applies the temperature after top-k, top-p "
+        "and min-p; here the filters see the scaled logits (SAMPLE-ORDER-1).",
+    },
+}
+
+_CLAUSE_START = re.compile(r"^\[([A-Z0-9]+(?:-[A-Z0-9]+)*-\d+)\]\s")
+_SECTION = re.compile(r"^(Args|Returns|Raises|Example|Examples):$")
+
+
+# --- tests that mark each clause -------------------------------------------------------------
+
+
+def _clause_ids(call: ast.Call, constants: dict[str, list[str]]) -> list[str]:
+    """The clause ids named by one `….clause(...)` call: literals and `*NAME` tuples."""
+    ids: list[str] = []
+    for arg in call.args:
+        if isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
+            ids += constants.get(arg.value.id, [])
+        elif isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            ids.append(arg.value)
+    return ids
+
+
+def _tuple_constants(tree: ast.Module) -> dict[str, list[str]]:
+    """Module-level `NAME = (...)` tuples and lists of string constants."""
+    return {
+        target.id: [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.List))
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
+def _is_clause_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "clause"
+    )
+
+
+def clause_tests() -> dict[str, list[str]]:
+    """Clause id -> `tests/path.py::test_name` of the tests that mark it.
+
+    Read from the sources as tests/test_project.py does: a test marks a
+    clause with a `clause(...)` decorator, or inside the `pytest.param(...,
+    marks=...)` of one of its decorators.
+    """
+    tests: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        constants = _tuple_constants(tree)
+        for function in tree.body:
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            test_id = f"{path.relative_to(ROOT).as_posix()}::{function.name}"
+            for decorator in function.decorator_list:
+                for node in ast.walk(decorator):
+                    if _is_clause_call(node):
+                        for clause_id in _clause_ids(node, constants):
+                            tests.setdefault(clause_id, [])
+                            if test_id not in tests[clause_id]:
+                                tests[clause_id].append(test_id)
+    return tests
+
+
+# --- stage pages -----------------------------------------------------------------------------
+
+
+def clause_anchor(clause_id: str) -> str:
+    """The HTML id of a clause's block: its id in lower case."""
+    return clause_id.lower()
+
+
+def _clause_block(clause: registry.Clause, tests: list[str]) -> str:
+    """A clause as an anchored block with a self link and the tests that enforce it."""
+    anchor = clause_anchor(clause.id)
+    enforced = ", ".join(f"`{test}`" for test in tests) or "*no test marks this clause*"
+    return (
+        f'<div class="clause" id="{anchor}" markdown>\n\n'
+        f"[**{clause.id}**](#{anchor}) {clause.text}\n\n"
+        f"*Enforced by:* {enforced}\n\n"
+        "</div>\n"
+    )
+
+
+def _prose_with_clauses(module: ModuleType, tests: dict[str, list[str]]) -> str:
+    """The module docstring after its first line, each clause replaced by its block.
+
+    A clause's paragraph ends where `registry.clauses_of` ends it: at a blank
+    line, a line of dashes or the next clause.
+    """
+    by_id = {clause.id: clause for clause in registry.clauses_of(module)}
+    lines = inspect.cleandoc(module.__doc__ or "").splitlines()[1:]
+    out: list[str] = []
+    in_clause = False
+    for line in lines:
+        start = _CLAUSE_START.match(line.strip())
+        if start:
+            out += ["", _clause_block(by_id[start.group(1)], tests.get(start.group(1), []))]
+            in_clause = True
+        elif in_clause and line.strip() and set(line.strip()) != {"-"}:
+            continue
+        else:
+            in_clause = False
+            out.append(line)
+    return "\n".join(out)
+
+
+def _differences(stage: Stage, module: ModuleType) -> list[str]:
+    """Bullet items: the clauses' own "Differs from" sentences and the known differences."""
+    items = []
+    for clause in registry.clauses_of(module):
+        _, found, rest = clause.text.partition("Differs from")
+        if found:
+            items.append(f"- [{clause.id}](#{clause_anchor(clause.id)}): Differs from{rest}")
+    for engine, text in KNOWN_DIFFERENCES.get(stage.name, {}).items():
+        items.append(f"- **{engine}** {text}")
+    return items
+
+
+def _differences_admonition(stage: Stage, module: ModuleType) -> str:
+    items = _differences(stage, module)
+    if not items:
+        body = "No difference from Hugging Face, vLLM, FlashInfer or llama.cpp is recorded yet."
+        return f'!!! note "Differs from"\n\n    {body}\n'
+    indented = "\n".join(f"    {item}" for item in items)
+    return f'!!! note "Differs from: Hugging Face, vLLM, FlashInfer, llama.cpp"\n\n{indented}\n'
+
+
+def _public_definitions(module: ModuleType) -> list[tuple[str, object]]:
+    """The module's own public functions and classes, in source order."""
+    own = [
+        (name, value)
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(value) or inspect.isclass(value))
+        and value.__module__ == module.__name__
+    ]
+    return sorted(own, key=lambda item: inspect.getsourcelines(item[1])[1])
+
+
+def _reference_code(module: ModuleType) -> str:
+    """Every public definition's source, in python code blocks."""
+    sections = []
+    for name, value in _public_definitions(module):
+        source = inspect.getsource(value).rstrip()
+        sections.append(f"### `{name}`\n\n```python\n{source}\n```\n")
+    return "\n".join(sections)
+
+
+def stage_page(stage: Stage, tests: dict[str, list[str]], docs_dir: Path) -> str:
+    """The markdown of one stage's page."""
+    module = importlib.import_module(stage.module)
+    summary = inspect.cleandoc(module.__doc__ or "").splitlines()[0]
+    parts = [f"# {stage.title}\n", f"{summary} Source: `{stage.module.replace('.', '/')}.py`.\n"]
+    if stage.name == "sampling" and (docs_dir / SAMPLING_PICTURES).exists():
+        parts.append(f"The filters in pictures: [sampling pictures](../{SAMPLING_PICTURES}).\n")
+    parts += [
+        _prose_with_clauses(module, tests),
+        "\n## Differences from other engines\n",
+        _differences_admonition(stage, module),
+        "\n## Reference code\n",
+        "Read from the module when the site is built: this *is* the definition.\n",
+        _reference_code(module),
+    ]
+    return "\n".join(parts)
+
+
+# --- kernels API -----------------------------------------------------------------------------
+
+
+def _kernels_all() -> list[str]:
+    """The names of `kernels.__all__`, read from kernels/__init__.py."""
+    tree = ast.parse((ROOT / "kernels" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    raise ValueError("kernels/__init__.py defines no __all__")
+
+
+def _kernel_definitions() -> dict[str, ast.FunctionDef | ast.ClassDef]:
+    """Top-level public functions and classes of kernels/*.py, by name."""
+    found: dict[str, ast.FunctionDef | ast.ClassDef] = {}
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                found[node.name] = node
+    return found
+
+
+def _signature(node: ast.FunctionDef | ast.ClassDef) -> str:
+    """`def name(args) -> returns` or `class name(bases)`, as written in the source."""
+    if isinstance(node, ast.ClassDef):
+        bases = ", ".join(ast.unparse(base) for base in node.bases)
+        return f"class {node.name}({bases})" if bases else f"class {node.name}"
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    return f"def {node.name}({ast.unparse(node.args)}){returns}"
+
+
+def _section_markdown(title: str, body: list[str]) -> str:
+    """One Google-style docstring section (Args, Returns, Raises, Example) as markdown."""
+    text = inspect.cleandoc("\n".join(body))
+    if title in ("Args", "Raises"):
+        entries = re.split(r"\n(?=\S)", text)
+        items = []
+        for entry in entries:
+            name, _, description = entry.partition(":")
+            items.append(f"- `{name.strip()}`: {' '.join(description.split())}")
+        return f"**{title}**\n\n" + "\n".join(items)
+    if title.startswith("Example"):
+        return f"**{title}**\n\n" + _example_markdown(text)
+    return f"**{title}**: {text}"
+
+
+def _example_markdown(text: str) -> str:
+    """Doctest lines as a `pycon` block, the prose around them as paragraphs."""
+    blocks = []
+    for paragraph in text.split("\n\n"):
+        if paragraph.lstrip().startswith(">>>"):
+            blocks.append(f"```pycon\n{paragraph}\n```")
+        else:
+            blocks.append(paragraph)
+    return "\n\n".join(blocks)
+
+
+def docstring_markdown(docstring: str) -> str:
+    """A Google-style docstring as markdown: description, then its sections."""
+    description: list[str] = []
+    sections: list[tuple[str, list[str]]] = []
+    for line in docstring.splitlines():
+        heading = _SECTION.match(line)
+        if heading:
+            sections.append((heading.group(1), []))
+        elif sections:
+            sections[-1][1].append(line)
+        else:
+            description.append(line)
+    parts = ["\n".join(description).strip()]
+    parts += [_section_markdown(title, body) for title, body in sections]
+    return "\n\n".join(parts)
+
+
+def kernels_api() -> str:
+    """The public API of `kernels/`: one section per name of `kernels.__all__`."""
+    definitions = _kernel_definitions()
+    sections = []
+    for name in _kernels_all():
+        node = definitions[name]
+        sections.append(
+            f"### `{name}`\n\n```python\n{_signature(node)}\n```\n\n"
+            f"{docstring_markdown(ast.get_docstring(node) or '')}\n"
+        )
+    return "\n".join(sections)
+
+
+# --- conformance matrix ----------------------------------------------------------------------
+
+
+def _test_function(nodeid: str) -> str:
+    """A test's node id without its parameters."""
+    return nodeid.split("[", 1)[0]
+
+
+def _outcome_summary(outcomes: list[str]) -> str:
+    """"3 passed, 1 skipped": how many runs had each outcome."""
+    return ", ".join(f"{count} {outcome}" for outcome, count in sorted(Counter(outcomes).items()))
+
+
+def _matrix_row(clause_id: str, entry: dict, stage_of: dict[str, str]) -> str:
+    """One row of the matrix: the clause, its test functions and their outcomes."""
+    by_function: dict[str, list[str]] = {}
+    for test in entry["tests"]:
+        by_function.setdefault(_test_function(test["nodeid"]), []).append(test["outcome"])
+    cells = [f"`{name}`: {_outcome_summary(outcomes)}" for name, outcomes in by_function.items()]
+    link = f"[{clause_id}](stages/{stage_of[entry['module']]}.md#{clause_anchor(clause_id)})"
+    return f"| {link} | {'<br>'.join(cells) or 'no test ran'} |"
+
+
+def conformance_matrix(report_path: Path = REPORT) -> str:
+    """The clause → tests → outcome matrix of a conformance report, or why there is none."""
+    if not report_path.exists():
+        return (
+            '!!! warning "No report yet"\n\n'
+            "    `docs/conformance-report.json` is missing: run `make docs-report` "
+            "to produce it.\n"
+        )
+    report = json.loads(report_path.read_text())
+    impl = report["implementation"]
+    platform = report["platform"]
+    outcomes = {t["nodeid"]: t["outcome"] for c in report["clauses"].values() for t in c["tests"]}
+    stage_of = {stage.module: stage.name for stage in STAGES}
+    header = [
+        f"Implementation **{impl['name']}** {impl['version']}, run on {report['date']} "
+        f"(Python {platform['python']}, torch {platform['torch']}, {platform['device']}); "
+        f"pytest exit status {report['exit_status']}.",
+        "",
+        f"Tests marking a clause: {_outcome_summary(list(outcomes.values()))}.",
+        "",
+    ]
+    if report["self_checked_operations"]:
+        names = ", ".join(f"`{name}`" for name in report["self_checked_operations"])
+        header += [f"Operations the implementation lacks, run as a spec self-check: {names}.", ""]
+    rows = [
+        _matrix_row(clause_id, entry, stage_of) for clause_id, entry in report["clauses"].items()
+    ]
+    return "\n".join([*header, "| Clause | Tests: outcomes |", "| --- | --- |", *rows]) + "\n"
+
+
+# --- MkDocs events ---------------------------------------------------------------------------
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    """Add the generated stage pages to the site."""
+    tests = clause_tests()
+    docs_dir = Path(config.docs_dir)
+    for stage in STAGES:
+        content = stage_page(stage, tests, docs_dir)
+        files.append(File.generated(config, f"stages/{stage.name}.md", content=content))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """Fill the markers of kernels.md and conformance.md."""
+    if page.file.src_uri == "kernels.md":
+        return markdown.replace(KERNELS_MARKER, kernels_api())
+    if page.file.src_uri == "conformance.md":
+        return markdown.replace(MATRIX_MARKER, conformance_matrix())
+    return markdown
