@@ -1,0 +1,49 @@
+"""MkDocs hook: the performance page and every figure, generated from measured data.
+
+At build time it adds `performance.md` (rendered from `results/*.json` by
+`docs.tools.performance`) and the SVG figures under `assets/figures/` (drawn
+from `results/` and `docs/data/` by `docs.tools.figures`) to the site's files,
+and fills each page's `<!-- measured: NAME -->` markers with the device,
+date and command of that data file, so pages, figures and captions always
+show the data files they were built with.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.structure.files import File, Files
+from mkdocs.structure.pages import Page
+
+# MkDocs loads hooks by path: make the repository's `docs.tools` importable.
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from docs.tools.figures import all_figures, fill_captions  # noqa: E402
+from docs.tools.performance import performance_figures, performance_page  # noqa: E402
+
+PERFORMANCE_PAGE = "performance.md"
+
+
+def generated_files(config: MkDocsConfig) -> list[File]:
+    """The performance page and the figures, as files MkDocs builds like any other."""
+    contents = {PERFORMANCE_PAGE: performance_page(), **all_figures(), **performance_figures()}
+    return [File.generated(config, path, content=content) for path, content in contents.items()]
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    """Add the generated files, replacing any file of the same path in `docs/`."""
+    for file in generated_files(config):
+        existing = files.get_file_from_path(file.src_uri)
+        if existing is not None:
+            files.remove(existing)
+        files.append(file)
+    return files
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """Fill the `<!-- measured: NAME -->` captions under the figures."""
+    return fill_captions(markdown)

@@ -1,0 +1,247 @@
+"""The performance page, rendered from the benchmark results in `results/`.
+
+`performance_page` returns the Markdown of `performance.md` and
+`performance_figures` its figures; the `results_pages` hook adds both to the
+site at build time. Each section names the device, software and date its
+file records, or says how to measure it when the file is missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from docs.tools import svg
+from docs.tools.figures import FIGURES, RESULTS_DIR, read_json
+
+CPU_FILE = "cpu-engine.json"
+ATTENTION_FILE = "attention-gpu.json"
+SAMPLING_FILE = "sampling-gpu.json"
+ATTENTION_FIGURE = f"{FIGURES}/attention-bandwidth.svg"
+SAMPLING_FIGURE = f"{FIGURES}/sampling-one-read.svg"
+NAIVE_FIGURE = f"{FIGURES}/naive-vs-cached.svg"
+INTRO = """\
+# Performance
+
+Every number on this page is read from the benchmark results in `results/`
+when the site is built; rerun a benchmark and rebuild to update it. Each
+section says on which device, with which software and when it was measured.
+"""
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def not_measured(file_name: str, command: str) -> str:
+    """The admonition standing in for a missing results file."""
+    return (
+        f'!!! warning "Not measured yet"\n\n'
+        f"    Not measured yet: run `{command}` on a GPU; it writes `results/{file_name}`.\n"
+    )
+
+
+def measured_on(environment: dict, command: str) -> str:
+    """One line: device, software versions, date and the command that measured it."""
+    software = ", ".join(
+        f"{name} {environment[name]}"
+        for name in ("python", "torch", "triton", "cuda", "transformers")
+        if environment.get(name)
+    )
+    return (
+        f"**Device:** {environment['device']}. **Software:** {software}. "
+        f"**Date:** {environment['date']}. **Command:** `{command}`."
+    )
+
+
+def smoke_warning(report: dict) -> str:
+    """A warning for a `--smoke` run, whose timings are not measurements."""
+    if not report.get("smoke"):
+        return ""
+    return f'!!! danger "Smoke run"\n\n    {report.get("note", "Not a measurement.")}\n\n'
+
+
+def peer_cell(peer: dict) -> str:
+    """A peer's median time and its time over ours (> 1: ours is faster), or n/a."""
+    if "unavailable" in peer:
+        return "n/a"
+    return f"{peer['median_ms']:.3f} ms (×{peer['ratio']:.2f})"
+
+
+def unavailable_peers(results: list[dict]) -> str:
+    """The peers that could not run, with their reasons, as a sentence (or nothing)."""
+    reasons = {
+        f"{name} ({peer['unavailable']})"
+        for result in results
+        for name, peer in result["peers"].items()
+        if "unavailable" in peer
+    }
+    return f"Unavailable peers: {'; '.join(sorted(reasons))}.\n\n" if reasons else ""
+
+
+def targets_list(targets: list[dict]) -> str:
+    """The issue's targets as a list with met / NOT met / not measured."""
+    verdict = {True: "met", False: "**NOT met**", None: "not measured"}
+    return "\n".join(f"- {t['target']}: {verdict[t['met']]}" for t in targets) + "\n"
+
+
+# ---------------------------------------------------------------- CPU engine
+
+
+def cpu_section(cpu: dict | None) -> str:
+    """The CPU engine against Hugging Face generate, and naive against cached decode."""
+    heading = "## The engine on a CPU\n\n"
+    if cpu is None:
+        return heading + not_measured(CPU_FILE, "make bench-cpu").replace(" on a GPU", "")
+    environment = {**cpu["software"], "device": f"{cpu['device']}, {cpu['cores']} cores"}
+    environment["date"] = cpu["date"]
+    runs = [
+        [
+            str(run["threads"]),
+            f"{run['ours_prefill_tokens_per_s']:.0f}",
+            f"{run['hf_prefill_tokens_per_s']:.0f}",
+            f"{run['ours_decode_tokens_per_s']:.1f}",
+            f"{run['hf_decode_tokens_per_s']:.1f}",
+            f"{run['decode_limit_tokens_per_s']:.1f}",
+            f"{run['ours_decode_fraction_of_limit']:.0%}",
+        ]
+        for run in cpu["runs"]
+    ]
+    lengths = [
+        [
+            str(row["length"]),
+            f"{row['naive_ms']:.0f}",
+            f"{row['cached_ms']:.1f}",
+            f"{row['naive_ms'] / row['cached_ms']:.1f}×",
+        ]
+        for row in cpu["naive_vs_cached"]
+    ]
+    return (
+        heading
+        + f"{measured_on(environment, cpu['command'])}\n\n"
+        + f"Model: {cpu['model']}. Prompt: {cpu['prompt_tokens']} tokens, then "
+        + f"{cpu['decode_tokens']} decoded tokens; statistic: {cpu['statistic']}.\n\n"
+        + table(
+            [
+                "threads",
+                "prefill tok/s (ours)",
+                "prefill tok/s (HF)",
+                "decode tok/s (ours)",
+                "decode tok/s (HF)",
+                "decode limit tok/s",
+                "ours / limit",
+            ],
+            runs,
+        )
+        + "\n\nThe decode limit is the bytes of weights one token reads over the measured "
+        + "matrix-vector bandwidth.\n\n### Naive against cached decode\n\n"
+        + f"![Time per token, naive and cached]({NAIVE_FIGURE})\n\n"
+        + table(["sequence length", "naive ms/token", "cached ms/token", "naive / cached"], lengths)
+        + "\n"
+    )
+
+
+# ---------------------------------------------------------------- GPU kernels
+
+
+def attention_section(report: dict | None) -> str:
+    """The paged attention kernel's bandwidth against the copy limit and its peers."""
+    heading = "## Paged attention on a GPU\n\n"
+    if report is None:
+        return heading + not_measured(ATTENTION_FILE, "make bench-attention")
+    peers = list(report["shapes"][0]["peers"])
+    rows = [
+        [
+            result["name"],
+            f"{result['ours']['median_ms']:.3f}",
+            f"{result['ours']['GBps']:.1f}",
+            f"{result['ours']['percent_of_copy_bandwidth']:.0f}%",
+            *(peer_cell(result["peers"][peer]) for peer in peers),
+        ]
+        for result in report["shapes"]
+    ]
+    return (
+        heading
+        + smoke_warning(report)
+        + f"{measured_on(report['environment'], report['command'])} "
+        + f"Statistic: {report['statistic']}.\n\n"
+        + f"Copy bandwidth (the limit): {report['copy_bandwidth']['GBps']:.1f} GB/s.\n\n"
+        + f"![Attention bandwidth as a share of copy bandwidth]({ATTENTION_FIGURE})\n\n"
+        + table(["shape", "ours ms", "ours GB/s", "of copy bandwidth", *peers], rows)
+        + "\n\nPeers: median time (their time over ours; above 1, ours is faster).\n\n"
+        + unavailable_peers(report["shapes"])
+        + "### Targets\n\n"
+        + targets_list(report["targets"])
+    )
+
+
+def sampling_section(report: dict | None) -> str:
+    """The sampling kernels' time against one read of the logits and their peers."""
+    heading = "## Sampling on a GPU\n\n"
+    if report is None:
+        return heading + not_measured(SAMPLING_FILE, "make bench-sampling")
+    peers = list(report["cases"][0]["peers"])
+    rows = [
+        [
+            result["name"],
+            f"{result['ours']['median_ms']:.3f}",
+            f"{result['ours']['one_read_ms']:.3f}",
+            f"{result['ours']['ratio_to_one_read']:.2f}",
+            f"{result['ours']['fraction_equal_to_spec']:.3f}",
+            *(peer_cell(result["peers"][peer]) for peer in peers),
+        ]
+        for result in report["cases"]
+    ]
+    return (
+        heading
+        + smoke_warning(report)
+        + f"{measured_on(report['environment'], report['command'])} "
+        + f"Statistic: {report['statistic']}.\n\n"
+        + f"Copy bandwidth: {report['copy_bandwidth']['GBps']:.1f} GB/s; one read of the "
+        + "logits at that bandwidth is the floor.\n\n"
+        + f"![Sampling time over one read of the logits]({SAMPLING_FIGURE})\n\n"
+        + table(["case", "ours ms", "one read", "ours / one read", "equal to spec", *peers], rows)
+        + "\n\nPeers: median time (their time over ours; above 1, ours is faster).\n\n"
+        + unavailable_peers(report["cases"])
+        + "### Targets\n\n"
+        + targets_list(report["targets"])
+    )
+
+
+def performance_page(results_dir: Path = RESULTS_DIR) -> str:
+    """The Markdown of `performance.md` from the results files present."""
+    sections = [
+        cpu_section(read_json(results_dir / CPU_FILE)),
+        attention_section(read_json(results_dir / ATTENTION_FILE)),
+        sampling_section(read_json(results_dir / SAMPLING_FILE)),
+    ]
+    return "\n".join([INTRO, *sections])
+
+
+def performance_figures(results_dir: Path = RESULTS_DIR) -> dict[str, str]:
+    """The GPU figures of the performance page, for the results files present."""
+    figures = {}
+    attention = read_json(results_dir / ATTENTION_FILE)
+    if attention is not None:
+        shapes = attention["shapes"]
+        figures[ATTENTION_FIGURE] = svg.bar_chart(
+            [s["name"] for s in shapes],
+            [s["ours"]["percent_of_copy_bandwidth"] for s in shapes],
+            title="Paged attention: bandwidth as a share of the copy limit",
+            value_label="% of measured copy bandwidth (100 = the limit)",
+            value_format="{:.0f}%",
+            value_max=100,
+        )
+    sampling = read_json(results_dir / SAMPLING_FILE)
+    if sampling is not None:
+        cases = sampling["cases"]
+        figures[SAMPLING_FIGURE] = svg.bar_chart(
+            [c["name"] for c in cases],
+            [c["ours"]["ratio_to_one_read"] for c in cases],
+            title="Sampling: time over one read of the logits",
+            value_label="our time / one read of the logits (1 = a single pass at copy speed)",
+            value_format="{:.2f}",
+        )
+    return figures
