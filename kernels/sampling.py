@@ -220,7 +220,7 @@ def _uniform(seed, step, offsets, stream):
     zero = tl.zeros_like(offsets).to(tl.uint32)
     step_lo = zero + (step & 0xFFFFFFFF).to(tl.uint32)
     step_hi = zero + (step >> 32).to(tl.uint32)
-    counter_3 = zero + stream
+    counter_3 = (zero + stream).to(tl.uint32)  # stream may arrive as int64 or constexpr
     word, _, _, _ = tl.philox(seed, offsets.to(tl.uint32), step_lo, step_hi, counter_3, 10)
     return ((word >> 9) * 2 + 1).to(tl.float32) * (1.0 / 16777216.0)
 

@@ -162,6 +162,7 @@ def sampling_calls() -> None:
         lambda: kernels.process_logits(logits, **full),
         lambda: kernels.compute_logprobs(logits, torch.tensor([0, 1]), 5),
         lambda: kernels.top_p_mask(logits, full["top_p"]),
+        lambda: kernels.uniform(torch.tensor([1, 2]), full["step"], vocab, stream=2**31 + 5),
     ):
         try:
             call()

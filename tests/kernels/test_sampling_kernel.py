@@ -96,3 +96,11 @@ def test_cpu_tensors_are_refused_outside_the_interpreter(monkeypatch):
     monkeypatch.setattr(kernels.checks, "INTERPRET", False)
     with pytest.raises(ValueError, match=r"logits.*TRITON_INTERPRET"):
         kernels.sample(torch.zeros(1, 4), temperature=torch.zeros(1))
+
+
+@pytest.mark.parametrize("stream", [0, 1, 2**31 + 5, 2**32 - 1])
+def test_every_stream_is_bit_identical_to_the_spec(stream):
+    seed = torch.tensor([3, -1, 2**62], device=DEVICE)
+    step = torch.tensor([0, 5, 2**40], device=DEVICE)
+    ours = kernels.uniform(seed, step, 50, stream=stream)
+    assert torch.equal(ours.cpu(), spec.uniform(seed.cpu(), step.cpu(), 50, stream=stream))
