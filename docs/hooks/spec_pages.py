@@ -345,7 +345,7 @@ def _test_function(nodeid: str) -> str:
 
 
 def _outcome_summary(outcomes: list[str]) -> str:
-    """"3 passed, 1 skipped": how many runs had each outcome."""
+    """How many runs had each outcome, as in "3 passed, 1 skipped"."""
     return ", ".join(f"{count} {outcome}" for outcome, count in sorted(Counter(outcomes).items()))
 
 
