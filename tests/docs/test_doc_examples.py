@@ -7,12 +7,13 @@ namespace, in the order of its page; none is skipped.
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+PYTHON_BLOCK = re.compile(r"^[ \t]*```python\n(.*?)^[ \t]*```", re.S | re.M)  # nested in lists too
 
 
 def python_blocks() -> list[tuple[str, int, str]]:
@@ -21,7 +22,7 @@ def python_blocks() -> list[tuple[str, int, str]]:
     for page in sorted(DOCS.rglob("*.md")):
         name = page.relative_to(DOCS).as_posix()
         for index, code in enumerate(PYTHON_BLOCK.findall(page.read_text())):
-            blocks.append((name, index, code))
+            blocks.append((name, index, textwrap.dedent(code)))
     return blocks
 
 
