@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-cpu bench-attention bench-sampling docs serve-docs docs-report
+.PHONY: run test lint bench-cpu bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -52,3 +52,8 @@ serve-docs: $(STAMP)
 docs-report: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest tests/conformance -q -p no:cacheprovider \
 		--report docs/conformance-report.json
+
+# The measurements behind the site's figures (docs/data/*.json, about two minutes on a
+# CPU); the figures are drawn from them when the site is built.
+docs-data: $(STAMP)
+	$(PY) -m docs.tools.make_data

@@ -34,11 +34,11 @@ def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def token_label(token_text: str) -> str:
-    """A token's text made visible: spaces as ␣, newlines as ⏎, empty as ∅."""
-    if not token_text:
-        return "∅"
-    return token_text.replace(" ", "␣").replace("\n", "⏎")
+def token_label(token: dict) -> str:
+    """A token's text made visible: spaces as ␣, newlines as ⏎; an end token as ⟨end⟩."""
+    if token.get("eos"):
+        return "⟨end⟩"
+    return token["text"].replace(" ", "␣").replace("\n", "⏎") or "∅"
 
 
 def measured_caption(data: dict) -> str:
@@ -73,8 +73,8 @@ def fill_captions(markdown: str) -> str:
 
 def loop_figure() -> str:
     """The decode loop as six boxes on a ring, with `repeat` and `done` exits."""
-    width, height = 640, 300
-    cx, cy, rx, ry = width / 2, 150, 230, 95
+    width, height = 680, 300
+    cx, cy, rx, ry = width / 2 + 20, 150, 230, 95
     box_w, box_h = 120, 34
     elements = [svg.text(cx, cy + 5, "one token per turn", size=13, anchor="middle")]
     centers = []
@@ -91,7 +91,11 @@ def loop_figure() -> str:
         )
         elements.append(svg.text(x, y + 5, stage, size=14, anchor="middle"))
     stop_x, stop_y = centers[-1]
-    elements.append(svg.text(stop_x - box_w / 2 - 8, stop_y + 5, "done", size=12, anchor="end"))
+    exit_x = stop_x - box_w / 2
+    elements.append(
+        svg.line(exit_x, stop_y, exit_x - 30, stop_y, stroke=svg.INK, marker_end="url(#head)")
+    )
+    elements.append(svg.text(exit_x - 34, stop_y + 5, "yes: done", size=12, anchor="end"))
     elements.append(
         svg.text(stop_x + 20, stop_y - box_h / 2 - 18, "no: repeat", size=12, fill=svg.MUTED)
     )
@@ -201,13 +205,15 @@ def timeline_figure(timing: dict) -> str:
 def distribution_figure(sampling: dict, view: dict) -> str:
     """Bars of the top tokens' probabilities under one view; removed tokens greyed."""
     tokens = sampling["distribution"]["tokens"]
-    labels = [token_label(t["text"]) for t in tokens]
+    labels = [token_label(t) for t in tokens]
     probs = view["probs"]
     value_max = max(max(v["probs"]) for v in sampling["distribution"]["views"])
     return svg.bar_chart(
         labels,
         probs,
-        title=f"{view['label']}: {view['kept']:,} tokens kept, {view['rest']:.1%} outside the top",
+        title=view["label"].capitalize(),
+        subtitle=f"{view['kept']:,} tokens kept; {max(view['rest'], 0):.1%} of the probability "
+        f"outside the {len(tokens)} shown",
         value_label="probability of the first answer token",
         value_max=value_max,
         dimmed=[p == 0 for p in probs],
@@ -247,12 +253,12 @@ def _generation_row(
 ) -> list[str]:
     """One step of the generation grid: the chosen token, then shaded candidate cells."""
     chosen = step["token"]
-    label = f"{index + 1}: {token_label(chosen['text'])} ({step['prob']:.2f})"
+    label = f"{index + 1}: {token_label(chosen)} ({step['prob']:.2f})"
     elements = [svg.text(8, y + cell_h - 8, label, size=12)]
     for rank, candidate in enumerate(step["candidates"]):
         x = left + cell_w * rank
         is_chosen = candidate["id"] == chosen["id"]
-        shade = f"rgba(63, 111, 181, {0.1 + 0.8 * candidate['prob']:.2f})"
+        shade = f"rgba(63, 111, 181, {0.08 + 0.5 * candidate['prob']:.2f})"
         elements.append(
             svg.rect(
                 x + 1,
@@ -264,7 +270,7 @@ def _generation_row(
                 stroke_width=2.5 if is_chosen else None,
             )
         )
-        content = f"{token_label(candidate['text'])} {candidate['prob']:.2f}"
+        content = f"{token_label(candidate)} {candidate['prob']:.2f}"
         weight = "bold" if is_chosen else None
         elements.append(
             svg.text(

@@ -108,6 +108,15 @@ def filtered_probs(
     return processed.softmax(dim=-1)[0]
 
 
+def token_entry(tokenizer: object, token_id: int) -> dict:
+    """A token's id and text, and whether it ends a generation (its text is empty)."""
+    return {
+        "id": token_id,
+        "text": tokenizer.decode([token_id]),
+        "eos": token_id in tokenizer.eos_token_ids,
+    }
+
+
 def distribution_views(weights: ModelWeights, tokenizer: object, prompt_ids: list[int]) -> dict:
     """The top tokens of the next-token distribution under each view's parameters.
 
@@ -133,11 +142,11 @@ def distribution_views(weights: ModelWeights, tokenizer: object, prompt_ids: lis
                     "min_p": min_p,
                 },
                 "probs": shown.tolist(),
-                "rest": float(probs.sum() - shown.sum()),
+                "rest": max(0.0, float(probs.sum() - shown.sum())),
                 "kept": int((probs > 0).sum()),
             }
         )
-    tokens = [{"id": i, "text": tokenizer.decode([i])} for i in top_ids]
+    tokens = [token_entry(tokenizer, i) for i in top_ids]
     return {"tokens": tokens, "views": views}
 
 
@@ -149,12 +158,11 @@ def generation_steps(weights: ModelWeights, tokenizer: object, prompt_ids: list[
         chosen = event.logprobs
         steps.append(
             {
-                "token": {"id": chosen.token_id, "text": tokenizer.decode([chosen.token_id])},
+                "token": token_entry(tokenizer, chosen.token_id),
                 "prob": math.exp(chosen.logprob),
                 "rank": chosen.rank,
                 "candidates": [
-                    {"id": i, "text": tokenizer.decode([i]), "prob": math.exp(lp)}
-                    for i, lp in chosen.top
+                    {**token_entry(tokenizer, i), "prob": math.exp(lp)} for i, lp in chosen.top
                 ],
             }
         )

@@ -190,6 +190,7 @@ def bar_chart(
     *,
     title: str,
     value_label: str,
+    subtitle: str = "",
     value_format: str = "{:.3f}",
     value_max: float | None = None,
     highlight: Sequence[bool] | None = None,
