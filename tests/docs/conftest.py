@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def built_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's banner, not a warning
         capture_output=True,
         text=True,
         timeout=600,

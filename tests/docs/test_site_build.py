@@ -1,0 +1,125 @@
+"""The documentation site builds offline and strictly, and its generated pages are complete."""
+
+from __future__ import annotations
+
+import html
+import importlib
+import inspect
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import kernels
+from spec import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = {
+    "forward": "spec.forward",
+    "attention": "spec.attention",
+    "logits": "spec.logits",
+    "softmax": "spec.softmax",
+    "sampling": "spec.sampling",
+    "append": "spec.append",
+    "stop": "spec.stop",
+}
+
+
+class _TextOf(HTMLParser):
+    """The text of an HTML page, tags dropped (highlighted code reads as written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+
+    def handle_data(self, data: str) -> None:
+        self.parts.append(data)
+
+
+def page_html(site: Path, page: str) -> str:
+    return (site / page / "index.html").read_text()
+
+
+def page_text(site: Path, page: str) -> str:
+    parser = _TextOf()
+    parser.feed(page_html(site, page))
+    return "".join(parser.parts)
+
+
+def clause_block(page: str, clause_id: str) -> str:
+    """The HTML of a clause's anchored block."""
+    match = re.search(rf'<div class="clause" id="{clause_id.lower()}">(.*?)</div>', page, re.S)
+    assert match, f"no anchored block for {clause_id}"
+    return match.group(1)
+
+
+def test_strict_build_writes_every_page(built_site):
+    for page in ("engine", "kernels", "conformance", *(f"stages/{name}" for name in STAGES)):
+        assert (built_site / page / "index.html").exists(), page
+
+
+def test_the_site_loads_nothing_from_the_network(built_site):
+    remote = re.compile(r'<(?:script|link)[^>]+(?:src|href)="(?:https?:)?//', re.I)
+    for page in built_site.rglob("*.html"):
+        assert not remote.search(page.read_text()), f"{page} loads a remote script or style"
+
+
+@pytest.mark.parametrize(("stage", "module"), STAGES.items())
+def test_stage_page_states_every_clause_with_its_anchor_and_tests(built_site, stage, module):
+    page = page_html(built_site, f"stages/{stage}")
+    stated = [c for c in registry.clauses().values() if c.module == module]
+    assert stated, f"{module} states no clause"
+    for clause in stated:
+        block = clause_block(page, clause.id)
+        assert f'href="#{clause.id.lower()}"' in block, clause.id
+        assert clause.id in block
+        assert re.search(r"tests/[\w/]+\.py::test_\w+", html.unescape(block)), (
+            f"{clause.id}: no test link"
+        )
+
+
+@pytest.mark.parametrize(("stage", "module"), STAGES.items())
+def test_stage_page_shows_the_reference_code(built_site, stage, module):
+    text = page_text(built_site, f"stages/{stage}")
+    spec_module = importlib.import_module(module)
+    functions = [
+        name
+        for name, value in vars(spec_module).items()
+        if inspect.isfunction(value) and value.__module__ == module and not name.startswith("_")
+    ]
+    assert functions, f"{module} has no public function"
+    for name in functions:
+        assert f"def {name}(" in text, f"{stage}: no source of {name}"
+
+
+def test_stage_pages_note_the_differences_from_other_engines(built_site):
+    text = page_text(built_site, "stages/sampling")
+    assert "Differs from" in text and "SAMPLE-TOPP-2" in text
+
+
+def test_sampling_page_links_the_pictures_when_they_exist(built_site):
+    page = page_html(built_site, "stages/sampling")
+    linked = 'href="../../sampling-pictures/"' in page
+    assert linked == (ROOT / "docs" / "sampling-pictures.md").exists()
+
+
+def test_kernels_page_documents_every_public_kernel(built_site):
+    text = page_text(built_site, "kernels")
+    for name in kernels.__all__:
+        assert re.search(rf"(def|class) {name}\b", text), f"kernels.{name} is not documented"
+    assert "--impl yourpkg.kernels" in text
+
+
+def test_conformance_page_renders_the_committed_report(built_site):
+    text = page_text(built_site, "conformance")
+    report_path = ROOT / "docs" / "conformance-report.json"
+    if not report_path.exists():
+        assert "No report yet" in text
+        return
+    report = json.loads(report_path.read_text())
+    assert report["implementation"]["name"] in text
+    assert report["date"] in text
+    for clause_id in report["clauses"]:
+        assert clause_id in text, f"{clause_id} missing from the coverage matrix"
