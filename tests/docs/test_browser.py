@@ -1,0 +1,203 @@
+"""The built site in a real headless browser: Debian's Chromium, driven by Playwright.
+
+The site that `mkdocs build --strict` writes (the `built_site` fixture) is
+served on a free localhost port, and for the home page, a stage page and the
+performance page the test checks that the page answers 200, renders (a
+screenshot that is not one flat colour, text in the content area), logs no
+console error, has no request that fails or answers >= 400, and that every
+image on it has loaded.
+
+The browser is the system's Chromium (`apt-get install -y chromium`; `.ci/run`
+installs it), never one Playwright downloads. DECODESPEC_CHROMIUM names
+another executable. Without it the test fails, it is never skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, ConsoleMessage, Page, Request, Response
+
+CHROMIUM = Path(os.environ.get("DECODESPEC_CHROMIUM", "/usr/bin/chromium"))
+
+# Headless (Playwright adds --headless) and quiet: on a closed network Chromium's
+# background services would try connections and fail. Playwright's launch gives
+# every browser a fresh temporary --user-data-dir of its own.
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+# The pages the issue names: the home page, one stage page, the performance page.
+PAGES = {
+    "home": "/",
+    "stage": "/stages/sampling/",
+    "performance": "/performance/",
+}
+
+# A rendered page with text has antialiased glyphs, so many colours; a blank or
+# flat page has one or two.
+MIN_DISTINCT_COLOURS = 16
+
+PAGE_TIMEOUT_MS = 30_000
+IMAGE_TIMEOUT_MS = 10_000
+
+# Waits for every <img> (lazy ones made eager) to load or fail, then returns
+# the sources of those that have no pixels.
+BROKEN_IMAGES_JS = """
+async (timeoutMs) => {
+  const images = Array.from(document.images);
+  images.forEach((image) => { image.loading = "eager"; });
+  const settled = (image) => image.complete ? null : new Promise((resolve) => {
+    image.addEventListener("load", resolve, { once: true });
+    image.addEventListener("error", resolve, { once: true });
+  });
+  const timeout = new Promise((resolve) => setTimeout(resolve, timeoutMs));
+  await Promise.race([Promise.all(images.map(settled)), timeout]);
+  return images
+    .filter((image) => !image.complete || image.naturalWidth === 0)
+    .map((image) => image.currentSrc || image.src);
+}
+"""
+
+# The text of the theme's content area, or "" where the page has none.
+CONTENT_TEXT_JS = '() => (document.querySelector(".md-content")?.innerText ?? "").trim()'
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    """Serves files like `python -m http.server`, without a log line per request."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Drop the access log."""
+
+
+@pytest.fixture(scope="module")
+def site_url(built_site: Path) -> Iterator[str]:
+    """The built site served on a free localhost port, as its base URL (no trailing slash)."""
+    handler = functools.partial(QuietHandler, directory=str(built_site))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def missing_chromium_message(executable: Path) -> str:
+    """Why the browser test cannot run, and how to fix it."""
+    return (
+        f"Chromium not found at {executable}. The browser test needs Debian's Chromium:\n"
+        "    sudo apt-get install -y chromium\n"
+        "(.ci/run installs it; DECODESPEC_CHROMIUM names another executable.)"
+    )
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Headless Chromium, launched from the system's executable."""
+    if not CHROMIUM.is_file():
+        pytest.fail(missing_chromium_message(CHROMIUM), pytrace=False)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("The browser test needs Playwright: pip install -e '.[docs]'", pytrace=False)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+        )
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def record_problems(page: Page) -> list[str]:
+    """A list that fills with the page's console errors, script errors and failed requests."""
+    problems: list[str] = []
+
+    def on_console(message: ConsoleMessage) -> None:
+        if message.type == "error":
+            problems.append(f"console error: {message.text} ({message.location})")
+
+    def on_response(response: Response) -> None:
+        if response.status >= 400:
+            problems.append(f"HTTP {response.status}: {response.url}")
+
+    def on_request_failed(request: Request) -> None:
+        problems.append(f"request failed: {request.url} ({request.failure})")
+
+    def on_page_error(error: Exception) -> None:
+        problems.append(f"script error: {error}")
+
+    page.on("console", on_console)
+    page.on("response", on_response)
+    page.on("requestfailed", on_request_failed)
+    page.on("pageerror", on_page_error)
+    return problems
+
+
+def distinct_colours(png: bytes, limit: int) -> int:
+    """How many colours the PNG image has, counting up to `limit`."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as image:
+        colours = image.convert("RGB").getcolors(maxcolors=limit)
+    return limit if colours is None else len(colours)
+
+
+@pytest.mark.parametrize(("name", "path"), PAGES.items(), ids=PAGES.keys())
+def test_page_renders_in_chromium(
+    browser: Browser,
+    site_url: str,
+    name: str,
+    path: str,
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """The page answers 200, renders, logs no error, and every image on it loads."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(PAGE_TIMEOUT_MS)
+        problems = record_problems(page)
+
+        response = page.goto(site_url + path, wait_until="load")
+        assert response is not None and response.status == 200, (
+            f"{path}: {response.status if response else 'no response'}"
+        )
+        page.wait_for_load_state("networkidle")
+
+        broken_images = page.evaluate(BROKEN_IMAGES_JS, IMAGE_TIMEOUT_MS)
+        assert broken_images == [], f"{path}: images that did not load: {broken_images}"
+
+        content_text = page.evaluate(CONTENT_TEXT_JS)
+        assert content_text, f"{path}: no text in the content area (.md-content) of the theme"
+
+        screenshot = tmp_path_factory.mktemp("screenshots") / f"{name}.png"
+        png = page.screenshot(path=screenshot, full_page=True)
+        assert png, f"{path}: empty screenshot"
+        colours = distinct_colours(png, limit=MIN_DISTINCT_COLOURS)
+        assert colours >= MIN_DISTINCT_COLOURS, (
+            f"{path}: the screenshot {screenshot} has only {colours} colours (a blank page?)"
+        )
+
+        assert problems == [], f"{path}:\n" + "\n".join(problems)
+    finally:
+        context.close()
