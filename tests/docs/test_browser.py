@@ -114,9 +114,13 @@ def missing_chromium_message(executable: Path) -> str:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser() -> Iterator[Browser]:
-    """Headless Chromium, launched from the system's executable."""
+    """Headless Chromium, launched from the system's executable.
+
+    Session-scoped, and first in the test's arguments, so that a missing
+    Chromium is reported before the site is built.
+    """
     if not CHROMIUM.is_file():
         pytest.fail(missing_chromium_message(CHROMIUM), pytrace=False)
     try:
