@@ -359,7 +359,7 @@ def _matrix_row(clause_id: str, entry: dict, stage_of: dict[str, str]) -> str:
         by_function.setdefault(_test_function(test["nodeid"]), []).append(test["outcome"])
     cells = [f"`{name}`: {_outcome_summary(outcomes)}" for name, outcomes in by_function.items()]
     link = f"[{clause_id}](stages/{stage_of[entry['module']]}.md#{clause_anchor(clause_id)})"
-    return f"| {link} | {'<br>'.join(cells) or 'no test ran'} |"
+    return f"| {link} | {'<br>'.join(cells) or 'none in tests/conformance'} |"
 
 
 def conformance_matrix(report_path: Path = REPORT) -> str:
