@@ -191,7 +191,8 @@ def timeline_figure(timing: dict) -> str:
     """Tokens received over time by one request: a wait (TTFT), then a steady rate."""
     times = timing["timeline"]["token_times_ms"]
     return svg.line_chart(
-        [Series("tokens received", [0.0, *times], [0, *range(1, len(times) + 1)])],
+        # Nothing arrives until the first token; then one token per decode step.
+        [Series("tokens received", [0.0, times[0], *times], [0, 0, *range(1, len(times) + 1)])],
         title=f"One request ({timing['timeline']['prompt_tokens']}-token prompt): tokens over time",
         x_label="ms since the request arrived",
         y_label="output tokens",
