@@ -202,7 +202,9 @@ def sampling_section(report: dict | None) -> str:
         + f"Copy bandwidth: {report['copy_bandwidth']['GBps']:.1f} GB/s; one read of the "
         + "logits at that bandwidth is the floor.\n\n"
         + f"![Sampling time over one read of the logits]({SAMPLING_FIGURE})\n\n"
-        + table(["case", "ours ms", "one read", "ours / one read", "equal to spec", *peers], rows)
+        + table(
+            ["case", "ours ms", "one read ms", "ours / one read", "equal to spec", *peers], rows
+        )
         + "\n\nPeers: median time (their time over ours; above 1, ours is faster).\n\n"
         + unavailable_peers(report["cases"])
         + "### Targets\n\n"
