@@ -200,15 +200,20 @@ def bar_chart(
 ) -> str:
     """Horizontal bars, one per label, each with its value printed at its end.
 
-    `highlight` colors some bars (the chosen token, say); `dimmed` greys out
-    others (tokens a filter removed). `value_max` fixes the scale, so charts
-    of several views compare at a glance.
+    `subtitle` is a line under the title. `highlight` colors some bars (the
+    chosen token, say); `dimmed` greys out others (tokens a filter removed).
+    `value_max` fixes the scale, so charts of several views compare at a glance.
     """
     ticks = nice_ticks(value_max if value_max is not None else max(values))
     label_width = 130
-    frame = Frame(label_width, 40, width - label_width - 70, bar_height * len(labels), ticks[-1], 1)
+    top = 58 if subtitle else 40
+    frame = Frame(
+        label_width, top, width - label_width - 70, bar_height * len(labels), ticks[-1], 1
+    )
     height = frame.top + frame.height + 52
     elements = [text(width / 2, 22, title, size=14, anchor="middle", font_weight="bold")]
+    if subtitle:
+        elements.append(text(width / 2, 41, subtitle, size=12, anchor="middle", fill=MUTED))
     elements += _vertical_grid(frame, ticks)
     for index, (label, value) in enumerate(zip(labels, values, strict=True)):
         y = frame.top + bar_height * index

@@ -60,6 +60,8 @@ def test_bar_chart_is_well_formed_xml_with_one_bar_per_label():
         dimmed=[False, False, True],
     )
     root = parse_svg(chart)
+    texts = [t.text for t in root.iter(f"{SVG_NS}text")]
+    assert {"bars", "sub", "␣Paris", "<b>", "&"} <= set(texts)
     fills = [r.get("fill") for r in root.findall(f"{SVG_NS}rect")]
     assert fills.count(svg.HIGHLIGHT) == 1
     assert fills.count(svg.GRID) == 1
