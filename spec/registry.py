@@ -32,6 +32,7 @@ SPEC_MODULES = (
     "spec.attention",
     "spec.append",
     "spec.forward",
+    "spec.speculative",
 )
 
 _CLAUSE = re.compile(r"^\[([A-Z0-9]+(?:-[A-Z0-9]+)*-\d+)\]\s+(.*)$")
@@ -195,6 +196,19 @@ OPERATIONS: dict[str, Operation] = {
             "append",
             ("APPEND-SLOT-1", "APPEND-SKIP-1", "APPEND-STATE-1", "APPEND-VALID-1"),
             EXACT,
+        ),
+        _op(
+            "verify_drafts",
+            "speculative",
+            (
+                "VERIFY-ACCEPT-1",
+                "VERIFY-RESIDUAL-1",
+                "VERIFY-BONUS-1",
+                "VERIFY-GREEDY-1",
+                "VERIFY-OUTPUT-1",
+                "VERIFY-VALID-1",
+            ),
+            Tolerance("boundary", margin=2.0**-20),
         ),
     )
 }

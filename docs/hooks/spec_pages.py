@@ -59,6 +59,7 @@ STAGES = (
     Stage("sampling", "Sampling", "spec.sampling"),
     Stage("append", "Append", "spec.append"),
     Stage("stop", "Stop", "spec.stop"),
+    Stage("speculative", "Speculative verification", "spec.speculative"),
 )
 
 # Differences from other engines that the clause texts do not state, by

@@ -24,6 +24,7 @@ STAGES = {
     "sampling": "spec.sampling",
     "append": "spec.append",
     "stop": "spec.stop",
+    "speculative": "spec.speculative",
 }
 
 
@@ -53,6 +54,10 @@ def clause_block(page: str, clause_id: str) -> str:
     match = re.search(rf'<div class="clause" id="{clause_id.lower()}">(.*?)</div>', page, re.S)
     assert match, f"no anchored block for {clause_id}"
     return match.group(1)
+
+
+def test_every_spec_module_has_a_stage_page():
+    assert set(STAGES.values()) == set(registry.SPEC_MODULES)
 
 
 def test_strict_build_writes_every_page(built_site):
