@@ -10,7 +10,8 @@ importing this package; the test configuration does).
 Kernels so far: `paged_attention` (with split-KV; see `attention.py`),
 `append_kv`, and the sampling stage: `sample`, `process_logits`,
 `compute_logprobs`, `greedy`, the three filter masks and `uniform`
-(`sampling.py`). The conformance suite
+(`sampling.py`), and the verification of speculative drafts,
+`verify_drafts` (`speculative.py`). The conformance suite
 lists the other operations as missing and, with this package as the default
 implementation, runs their tests as a self-check of the spec.
 """
@@ -29,10 +30,12 @@ from .sampling import (
     top_p_mask,
     uniform,
 )
+from .speculative import Verification, verify_drafts
 
 __all__ = [
     "InvalidLogitsError",
     "Logprobs",
+    "Verification",
     "append_kv",
     "compute_logprobs",
     "greedy",
@@ -43,4 +46,5 @@ __all__ = [
     "top_k_mask",
     "top_p_mask",
     "uniform",
+    "verify_drafts",
 ]

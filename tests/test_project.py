@@ -119,6 +119,7 @@ def test_every_operation_names_real_clauses():
         "kernels.append",
         "kernels.attention",
         "kernels.sampling",
+        "kernels.speculative",
     ),
 )
 def test_docstring_examples_run(module):

@@ -170,11 +170,27 @@ def sampling_calls() -> None:
             pass
 
 
+def verification_calls() -> None:
+    """The verification of speculative drafts, sampled and greedy rows together."""
+    batch, k, vocab = 2, 3, 3000
+    probs = torch.softmax(torch.randn(batch, k + 1, vocab), dim=-1)
+    kernels.verify_drafts(
+        torch.zeros(batch, k, dtype=torch.int64),
+        probs[:, :k],
+        probs,
+        torch.tensor([3, 1]),
+        temperature=torch.tensor([1.0, 0.0]),
+        seed=torch.tensor([1, 2]),
+        step=torch.tensor([0, 5]),
+    )
+
+
 def main() -> int:
     compiled = intercept_launches()
     attention_calls()
     append_calls()
     sampling_calls()
+    verification_calls()
     too_large = [c for c in compiled if not c["fits"]]
     if too_large:
         print(f"shared memory over {SHARED_MEMORY_LIMIT} bytes: {too_large}", file=sys.stderr)

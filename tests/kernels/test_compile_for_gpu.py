@@ -39,6 +39,7 @@ def test_every_launch_compiles_for_sm90_and_fits_shared_memory():
         "_sample_kernel",
         "_logprobs_kernel",
         "_uniform_kernel",
+        "_verify_kernel",
     }
     assert all(launch["fits"] for launch in launches)
     computes = {launch["constexprs"].get("COMPUTE") for launch in launches}
