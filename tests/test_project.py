@@ -120,6 +120,7 @@ def test_every_operation_names_real_clauses():
         "kernels.attention",
         "kernels.sampling",
         "kernels.speculative",
+        "reference.drafters",
     ),
 )
 def test_docstring_examples_run(module):
