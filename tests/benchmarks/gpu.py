@@ -16,20 +16,26 @@ imported.
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import importlib
 import json
 import math
+import os
 import platform
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
 COPY_BYTES = 1 << 30  # large enough that the L2 cache plays no part
+SMOKE_COPY_BYTES = 1 << 24
 SMOKE_NOTE = (
     "--smoke: tiny shapes on the CPU through the Triton interpreter, each timed once; "
     "these numbers check the command end to end and are not measurements."
@@ -131,3 +137,59 @@ def write_json(path: Path, results: dict) -> None:
     """Write `results` as indented, strictly valid JSON, creating the folder if needed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_strict_json(results), indent=2, allow_nan=False) + "\n")
+
+
+def parse_args(
+    command: str, description: str, default_out: Path, argv: list[str] | None
+) -> argparse.Namespace:
+    """`--out PATH` and `--smoke`, the options every benchmark command takes."""
+    parser = argparse.ArgumentParser(prog=command, description=description)
+    parser.add_argument("--out", type=Path, default=default_out, help="results JSON file")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes on the CPU, Triton interpreter: checks the command, measures nothing",
+    )
+    return parser.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where and how a benchmark command measures."""
+
+    smoke: bool
+    device: torch.device
+    timer: Callable[[Callable[[], object]], float]
+    kernels: ModuleType
+    copy_bandwidth: dict
+
+
+def start_run(command: str, smoke: bool) -> Run:
+    """Refuse without CUDA (unless smoke), import the kernels, measure copy bandwidth.
+
+    Smoke runs switch the Triton interpreter on first: Triton reads it when the
+    kernels are decorated, at their import.
+    """
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        require_cuda(command)
+    kernels = importlib.import_module("kernels")
+    device = torch.device("cpu" if smoke else "cuda")
+    timer = single_call_ms if smoke else median_ms
+    torch.manual_seed(0)
+    copy = measure_copy_bandwidth(device, SMOKE_COPY_BYTES if smoke else COPY_BYTES, timer)
+    return Run(smoke, device, timer, kernels, copy)
+
+
+def report_header(benchmark: str, make_target: str, run: Run) -> dict:
+    """The fields every results file starts with: what, where, how, and the copy bandwidth."""
+    return {
+        "benchmark": benchmark,
+        "command": f"make {make_target}",
+        "smoke": run.smoke,
+        **({"note": SMOKE_NOTE} if run.smoke else {}),
+        "environment": describe_environment(run.device),
+        "statistic": "one call" if run.smoke else "median (triton.testing.do_bench, L2 flushed)",
+        "copy_bandwidth": run.copy_bandwidth,
+    }

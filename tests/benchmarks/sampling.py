@@ -33,13 +33,10 @@ for tiny shapes in the Triton interpreter, a check of the command itself.
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -47,22 +44,17 @@ from torch import Tensor
 
 from spec.sampling import sample as spec_sample
 from tests.benchmarks.gpu import (
-    COPY_BYTES,
     RESULTS,
-    SMOKE_NOTE,
     PeerUnavailable,
-    describe_environment,
-    measure_copy_bandwidth,
-    median_ms,
-    require_cuda,
-    single_call_ms,
+    parse_args,
+    report_header,
+    start_run,
     time_peer,
     write_json,
 )
 
 COMMAND = "python -m tests.benchmarks.sampling"
 DEFAULT_OUT = RESULTS / "sampling-gpu.json"
-SMOKE_COPY_BYTES = 1 << 24
 PEERS = ("sort_based", "flashinfer")
 NUM_PEAKS = 8  # raised tokens per row
 PEAK_HEIGHTS = (8.0, 16.0)  # the range of a row's height, drawn uniformly
@@ -416,46 +408,21 @@ def format_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON file")
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny shapes on the CPU, Triton interpreter: checks the command, measures nothing",
-    )
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, at import
-    else:
-        require_cuda(COMMAND)
-    import kernels
-
-    device = torch.device("cpu" if args.smoke else "cuda")
-    timer = single_call_ms if args.smoke else median_ms
-    torch.manual_seed(0)
-    copy = measure_copy_bandwidth(device, SMOKE_COPY_BYTES if args.smoke else COPY_BYTES, timer)
+    args = parse_args(COMMAND, __doc__.split("\n\n")[0], DEFAULT_OUT, argv)
+    run = start_run(COMMAND, args.smoke)
+    copy = run.copy_bandwidth
     print(f"copy bandwidth: {copy['GBps']:.0f} GB/s; peers: peer ms / our ms")
     print(TABLE_COLUMNS + "".join(f"{name:>12}" for name in PEERS))
     results = []
     for case in smoke_cases() if args.smoke else issue_cases():
-        results.append(benchmark_case(case, kernels, copy["GBps"], device, timer))
+        results.append(benchmark_case(case, run.kernels, copy["GBps"], run.device, run.timer))
         print(format_row(results[-1]), flush=True)
-        if device.type == "cuda":
+        if run.device.type == "cuda":
             torch.cuda.empty_cache()
 
     report = {
-        "benchmark": "sampling-gpu",
-        "command": "make bench-sampling",
-        "smoke": args.smoke,
-        **({"note": SMOKE_NOTE} if args.smoke else {}),
-        "environment": describe_environment(device),
-        "statistic": "one call" if args.smoke else "median (triton.testing.do_bench, L2 flushed)",
-        "copy_bandwidth": copy,
+        **report_header("sampling-gpu", "bench-sampling", run),
         "logits": {"tail": "2 * randn", "peaks_per_row": NUM_PEAKS, "peak_heights": PEAK_HEIGHTS},
         "cases": results,
         "targets": evaluate_targets(results),
