@@ -325,14 +325,19 @@ def choose_num_splits(
     return max(1, min(-(-target // programs), capacity // MIN_SPLIT_LEN, MAX_SPLITS))
 
 
+def _launch_tiles(q: Tensor, k_cache: Tensor, seq_lens: Tensor) -> tuple[dict, int]:
+    """A launch's block sizes and its number of query tiles (per KV head and split)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k_cache.shape[2]
+    batch = seq_lens.shape[0]
+    tiles = _tile_shape(num_tokens, batch, group, head_dim, q.dtype == torch.float64)
+    return tiles, num_tokens // tiles["BLOCK_Q"] + batch
+
+
 def default_num_splits(q: Tensor, k_cache: Tensor, block_table: Tensor, seq_lens: Tensor) -> int:
     """The split count `paged_attention` uses for these arguments when `num_splits` is None."""
-    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_tiles = _launch_tiles(q, k_cache, seq_lens)
     _, block_size, num_kv_heads, _ = k_cache.shape
-    batch = seq_lens.shape[0]
-    group = num_q_heads // num_kv_heads
-    tiles = _tile_shape(num_tokens, batch, group, head_dim, q.dtype == torch.float64)
-    num_tiles = num_tokens // tiles["BLOCK_Q"] + batch
     return choose_num_splits(num_tiles, num_kv_heads, block_table.shape[1] * block_size, q.device)
 
 
@@ -521,8 +526,7 @@ def paged_attention(
         q, qk_scale = q * scale, 1.0
     else:
         q, qk_scale = (q if q.stride(-1) == 1 else q.contiguous()), scale * LOG2E
-    tiles = _tile_shape(num_tokens, batch, group, head_dim, fp64)
-    num_tiles = num_tokens // tiles["BLOCK_Q"] + batch
+    tiles, num_tiles = _launch_tiles(q, k_cache, seq_lens)
     capacity = block_table.shape[1] * block_size
     if num_splits is None:
         num_splits = default_num_splits(q, k_cache, block_table, seq_lens)
