@@ -9,10 +9,12 @@ go straight back to the pool for the next request.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from spec.forward import ModelConfig
+from spec.forward import ModelConfig, PagedBatch
 
 
 class CacheFullError(RuntimeError):
@@ -97,3 +99,49 @@ class PagedKVCache:
         """Flat slots (block · block_size + offset) of positions start .. start + count − 1."""
         size = self.block_size
         return [blocks[p // size] * size + p % size for p in range(start, start + count)]
+
+    def paged_batch(
+        self,
+        blocks: Sequence[list[int]],
+        starts: Sequence[int],
+        new_tokens: Sequence[list[int]],
+        num_logits: Sequence[int],
+        device: torch.device | str,
+    ) -> tuple[Tensor, PagedBatch]:
+        """Pack new tokens of several sequences for `spec.forward.forward_cached`.
+
+        Sequence b owns `blocks[b]`, has `starts[b]` positions cached, and
+        runs `new_tokens[b]` at the positions after them; its last
+        `num_logits[b]` tokens are projected to logits.
+
+        Returns:
+            `[tokens]` int64 token ids, and where they go (`PagedBatch`).
+        """
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        for owned, start, new in zip(blocks, starts, new_tokens, strict=True):
+            token_ids += new
+            positions += range(start, start + len(new))
+            slots += self.slots(owned, start, len(new))
+            query_start.append(query_start[-1] + len(new))
+        width = max(len(owned) for owned in blocks)
+        logits_indices = [
+            end - count + i
+            for end, count in zip(query_start[1:], num_logits, strict=True)
+            for i in range(count)
+        ]
+
+        def tensor(values: list) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        batch = PagedBatch(
+            positions=tensor(positions),
+            query_start=tensor(query_start),
+            seq_lens=tensor([s + len(n) for s, n in zip(starts, new_tokens, strict=True)]),
+            block_table=tensor([owned + [0] * (width - len(owned)) for owned in blocks]),
+            slot_mapping=tensor(slots),
+            logits_indices=tensor(logits_indices),
+        )
+        return tensor(token_ids), batch

@@ -1,13 +1,44 @@
 """Drafters for speculative decoding: cheap guesses at a request's next tokens.
 
-A drafter proposes up to K tokens; the target model verifies them in one
-pass (`spec.speculative.verify_drafts`). This module holds the drafter that
-needs no second model: prompt lookup.
+A drafter proposes up to K tokens per request, with the distribution each
+was drawn from; the target model verifies them in one pass
+(`spec.speculative.verify_drafts`), so a drafter changes the speed of
+generation, never its distribution. Three kinds:
+
+- prompt lookup (`NgramDrafter`, `ngram_draft`): copy what followed the
+  latest earlier occurrence of the sequence's suffix; no model, one-hot drafts;
+- self-speculation (`ModelDrafter.first_layers`): the target's first N layers,
+  then its own final norm and output projection; it reads and writes the
+  target's cache for those layers, which verification then overwrites with
+  the same values;
+- a second, smaller model with the target's vocabulary (`ModelDrafter.second_model`),
+  with a cache of its own addressed by the same block ids.
+
+A model drafter samples its tokens from its own distributions under the
+request's parameters (greedy rows draft greedily) with Gumbel-max on the
+request's Philox stream `DRAFT_STREAM`, which no other stage uses: the
+drafts are independent of the numbers verification draws, as the proof of
+speculative sampling requires.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from spec.forward import ModelWeights, forward_cached
+from spec.sampling import greedy, uniform
+
+from .cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from .engine import Request
+
+DRAFT_STREAM = 3  # streams 0-2 are token choice, acceptance and residual (spec.speculative)
 
 
 def ngram_draft(
@@ -49,3 +80,171 @@ def ngram_draft(
             if tokens[start : start + n] == suffix:
                 return tokens[start + n : start + n + num_draft]
     return []
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A request's proposed tokens and the distributions they were drawn from.
+
+    `probs` is `[len(tokens), vocab]`, or None for a deterministic drafter
+    (one-hot distributions).
+    """
+
+    tokens: list[int]
+    probs: Tensor | None = None
+
+
+# distributions(logits, requests, outputs) -> (probs, seed, step, valid): for each
+# row, the distribution a token is drawn from under its request's parameters
+# (`Engine._distributions`), given the request's output so far.
+Distributions = Callable[
+    [Tensor, list["Request"], list[list[int]]], tuple[Tensor, Tensor, Tensor, Tensor]
+]
+
+
+class Drafter(Protocol):
+    def propose(
+        self, requests: list[Request], counts: list[int], distributions: Distributions
+    ) -> list[Draft]:
+        """Up to `counts[i]` tokens for `requests[i]`, which has room in its blocks for them."""
+        ...
+
+
+class NgramDrafter:
+    """Prompt lookup over the prompt and the output so far (`ngram_draft`)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        ngram_draft([], 0, max_ngram=max_ngram, min_ngram=min_ngram)  # validates
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(
+        self, requests: list[Request], counts: list[int], distributions: Distributions
+    ) -> list[Draft]:
+        return [
+            Draft(
+                ngram_draft(
+                    r.prompt_ids + r.output_ids,
+                    count,
+                    max_ngram=self.max_ngram,
+                    min_ngram=self.min_ngram,
+                )
+            )
+            for r, count in zip(requests, counts, strict=True)
+        ]
+
+
+class ModelDrafter:
+    """Drafts by running a cheaper model autoregressively over the paged cache.
+
+    Its cache layers are addressed by the request's blocks (the target's
+    block ids). `shares_target_cache` says they are the target's own first
+    layers: then every position the target has cached is valid for the
+    drafter too. Otherwise `request.draft_cached` counts the positions the
+    drafter itself has cached; the engine lowers it when a rollback
+    discards positions.
+    """
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        kv_cache: list[tuple[Tensor, Tensor]],
+        cache: PagedKVCache,
+        *,
+        shares_target_cache: bool,
+        attention: Callable[..., Tensor],
+        append: Callable[..., None],
+    ) -> None:
+        self.weights = weights
+        self.kv_cache = kv_cache
+        self.cache = cache
+        self.shares_target_cache = shares_target_cache
+        self.attention = attention
+        self.append = append
+
+    @classmethod
+    def first_layers(
+        cls, target: ModelWeights, cache: PagedKVCache, num_layers: int, **ops: Callable
+    ) -> ModelDrafter:
+        """Self-speculation: the target's first `num_layers` layers and its own head."""
+        total = target.config.num_layers
+        if not 1 <= num_layers <= total:
+            raise ValueError(
+                f"layers:N needs 1 <= N <= {total} (the model's layers), got {num_layers}"
+            )
+        weights = replace(
+            target,
+            config=replace(target.config, num_layers=num_layers),
+            layers=target.layers[:num_layers],
+        )
+        return cls(weights, cache.layers[:num_layers], cache, shares_target_cache=True, **ops)
+
+    @classmethod
+    def second_model(
+        cls, draft: ModelWeights, target: ModelWeights, cache: PagedKVCache, **ops: Callable
+    ) -> ModelDrafter:
+        """A smaller model of the same vocabulary, with a cache of its own (same block ids)."""
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the "
+                f"target's {target.config.vocab_size}: they must share one vocabulary"
+            )
+        draft = draft.to(target.device)
+        own = PagedKVCache(
+            draft.config,
+            num_blocks=cache.allocator.num_blocks,
+            block_size=cache.block_size,
+            dtype=draft.dtype,
+            device=draft.device,
+        )
+        return cls(draft, own.layers, own, shares_target_cache=False, **ops)
+
+    def propose(
+        self, requests: list[Request], counts: list[int], distributions: Distributions
+    ) -> list[Draft]:
+        """Sample up to `counts[i]` tokens for each request, one batched forward per draft."""
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[Tensor]] = [[] for _ in requests]
+        # Positions of each sequence whose K/V this drafter's layers hold.
+        cached = [r.num_cached if self.shares_target_cache else r.draft_cached for r in requests]
+        live = [i for i, count in enumerate(counts) if count > 0]
+        while live:
+            batch = [requests[i] for i in live]
+            # What the drafter has not cached yet: the last token (or the prompt, or
+            # what a rollback discarded) at first, then the previous draft.
+            starts = [cached[i] for i in live]
+            new = [
+                (r.prompt_ids + r.output_ids + tokens[i])[cached[i] :]
+                for i, r in zip(live, batch, strict=True)
+            ]
+            token_ids, paged = self.cache.paged_batch(
+                [r.blocks for r in batch], starts, new, [1] * len(batch), self.weights.device
+            )
+            logits = forward_cached(
+                self.weights,
+                token_ids,
+                paged,
+                self.kv_cache,
+                attention=self.attention,
+                append=self.append,
+            )
+            q, seed, step, valid = distributions(
+                logits, batch, [r.output_ids + tokens[i] for i, r in zip(live, batch, strict=True)]
+            )
+            noise = -(
+                -uniform(seed, step, q.shape[-1], stream=DRAFT_STREAM, dtype=q.dtype).log()
+            ).log()
+            drawn = greedy(q.log() + noise).tolist()  # one-hot q (greedy rows): its argmax
+            still = []
+            for row, (i, r) in enumerate(zip(live, batch, strict=True)):
+                cached[i] = starts[row] + len(new[row])
+                if not self.shares_target_cache:
+                    r.draft_cached = cached[i]
+                if not bool(valid[row]):
+                    continue  # NaN or infinite draft logits: the draft ends here
+                tokens[i].append(drawn[row])
+                probs[i].append(q[row])
+                if len(tokens[i]) < counts[i]:
+                    still.append(i)
+            live = still
+        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]

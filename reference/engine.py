@@ -9,6 +9,13 @@ stage functions are the spec's or, with the `triton` backend, the kernels'
 
 With `naive=True` there is no KV cache: every step recomputes every request's
 whole sequence (`forward_naive`), which is what the cache saves.
+
+With a drafter (`speculate=`), a step first asks it for up to `num_draft`
+tokens per request, runs them through the target in the same forward pass
+(attention with q_len > 1), keeps the prefix `verify_drafts` accepts plus the
+token after it, and rolls the cache back past the rejected drafts: the
+emitted tokens are distributed exactly as without speculation (greedy:
+identical), only faster when the drafts are good.
 """
 
 from __future__ import annotations
@@ -24,17 +31,26 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spec import append, attention, sampling
-from spec.forward import ModelWeights, PagedBatch, forward_cached, forward_naive
+from spec import append, attention, sampling, speculative
+from spec.forward import ModelWeights, forward_cached, forward_naive
 from spec.sampling import InvalidLogitsError, SamplingParams
+from spec.softmax import softmax
 from spec.stop import StopChecker
 
 from .cache import CacheFullError, PagedKVCache
+from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 
 # ---------------------------------------------------------------- backends
 
 
-STAGE_OPERATIONS = ("paged_attention", "append_kv", "sample", "process_logits", "compute_logprobs")
+STAGE_OPERATIONS = (
+    "paged_attention",
+    "append_kv",
+    "sample",
+    "process_logits",
+    "compute_logprobs",
+    "verify_drafts",
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,7 @@ class Backend:
     sample: Callable[..., Tensor]
     process_logits: Callable[..., Tensor]
     compute_logprobs: Callable[..., sampling.Logprobs]
+    verify_drafts: Callable[..., speculative.Verification]
     invalid_logits_error: type[ValueError] = InvalidLogitsError
     kernel_ops: tuple[str, ...] = ()
 
@@ -63,6 +80,7 @@ SPEC_BACKEND = Backend(
     sampling.sample,
     sampling.process_logits,
     sampling.compute_logprobs,
+    speculative.verify_drafts,
 )
 
 
@@ -143,6 +161,10 @@ class Request:
     arrival: float
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose K/V are in the cache
+    draft_cached: int = 0  # positions a second-model drafter has cached
+    target_passes: int = 0  # forward passes of the target that gave this request tokens
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
@@ -175,6 +197,12 @@ class RequestOutput:
     inter_token_latencies_s: list[float]
     logprobs: list[TokenLogprobs] | None
     error: str | None = None
+    # Speculative decoding: drafts proposed and accepted, their ratio, and tokens
+    # generated per forward pass of the target (1 without speculation).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float | None = None
+    tokens_per_target_pass: float | None = None
 
 
 # ---------------------------------------------------------------- the engine
@@ -192,6 +220,10 @@ class Engine:
         cache_tokens: cache capacity in positions, over all requests.
         show_probs: with N > 0, events carry the top-N candidates (N <= 20).
         seed: seeds the generator that gives unseeded requests their seed.
+        speculate: a drafter for speculative decoding: "ngram" (prompt lookup),
+            "layers:N" (the model's first N layers) or "model" (`draft_model`).
+        num_draft: K >= 1, the most draft tokens per request and step.
+        draft_model: the second model of `speculate="model"` (same vocabulary).
 
     Example (see `generate` for one request):
         >>> engine = Engine(weights, tokenizer)                    # doctest: +SKIP
@@ -211,6 +243,9 @@ class Engine:
         cache_tokens: int = 16_384,
         show_probs: int = 0,
         seed: int | None = None,
+        speculate: str | None = None,
+        num_draft: int = 4,
+        draft_model: ModelWeights | None = None,
     ) -> None:
         self.weights = weights
         self.config = weights.config
@@ -235,6 +270,10 @@ class Engine:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        self.num_draft = num_draft
+        self.drafter = self._make_drafter(speculate, draft_model)
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -307,6 +346,10 @@ class Engine:
             inter_token_latencies_s=gaps,
             logprobs=r.logprobs if r.params.top_logprobs is not None else None,
             error=r.error,
+            draft_tokens=r.drafted,
+            accepted_tokens=r.accepted,
+            acceptance_rate=r.accepted / r.drafted if r.drafted else None,
+            tokens_per_target_pass=len(r.output_ids) / r.target_passes if r.target_passes else None,
         )
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[Event]:
@@ -319,52 +362,93 @@ class Engine:
 
     # -- one step of the loop
 
+    def _make_drafter(
+        self, speculate: str | None, draft_model: ModelWeights | None
+    ) -> Drafter | None:
+        if speculate is None:
+            if draft_model is not None:
+                raise ValueError("draft_model is only used with speculate='model'")
+            return None
+        if self.cache is None:
+            raise ValueError(
+                "speculative decoding needs the KV cache: it cannot run with naive=True"
+            )
+        ops = {"attention": self.backend.paged_attention, "append": self.backend.append_kv}
+        if speculate == "ngram":
+            return NgramDrafter()
+        if speculate.startswith("layers:"):
+            count = speculate.removeprefix("layers:")
+            if not count.isdigit():
+                raise ValueError(f"speculate {speculate!r}: N of layers:N must be an integer")
+            return ModelDrafter.first_layers(self.weights, self.cache, int(count), **ops)
+        if speculate == "model":
+            if draft_model is None:
+                raise ValueError("speculate='model' needs draft_model")
+            return ModelDrafter.second_model(draft_model, self.weights, self.cache, **ops)
+        raise ValueError(f"unknown speculate {speculate!r}: choose ngram, layers:N or model")
+
     @torch.inference_mode()  # no autograd bookkeeping on any op of the loop
     def step(self) -> list[Event]:
-        """Admit waiting requests, run one forward pass, sample, check stops."""
+        """Admit waiting requests, draft, run one forward pass, choose tokens, check stops."""
         events: list[Event] = []
         self._admit()
         batch = [r for r in list(self.running) if self._reserve(r, events)]
         if not batch:
             return events
-        logits = self._forward(batch)
-        tensors = sampling.sampling_tensors(
-            [r.params for r in batch],
-            vocab_size=self.config.vocab_size,
-            prompt_token_ids=[r.prompt_ids for r in batch],
-            output_token_ids=[r.output_ids for r in batch],
-            eos_token_ids=self.eos_token_ids,
-            device=logits.device,
+        drafts = self._draft(batch)
+        logits = self._forward(batch, [d.tokens for d in drafts])
+        # One logits row per position that gets a token: after the last token, then
+        # after each draft (each with the output so far that far, for the penalties).
+        owners = [r for r, d in zip(batch, drafts, strict=True) for _ in range(len(d.tokens) + 1)]
+        outputs = [
+            r.output_ids + d.tokens[:j]
+            for r, d in zip(batch, drafts, strict=True)
+            for j in range(len(d.tokens) + 1)
+        ]
+        tensors = self._sampling_tensors(owners, outputs, logits.device)
+        first = list(itertools.accumulate((len(d.tokens) + 1 for d in drafts), initial=0))
+        emitted, invalid = self._choose(drafts, logits, tensors, first)
+
+        rows = [first[b] + i for b, tokens in enumerate(emitted) for i in range(len(tokens))]
+        row_tokens = torch.tensor(
+            [t for tokens in emitted for t in tokens], dtype=torch.int64, device=logits.device
         )
-        try:
-            tokens = self.backend.sample(logits, **tensors)
-            invalid: list[int] = []
-        except self.backend.invalid_logits_error as error:
-            tokens, invalid = error.tokens, error.rows
+        row_tensors = {k: v[rows] for k, v in tensors.items()}
+        row_requests = [owners[row] for row in rows]
+        logprobs = self._logprobs(row_requests, logits[rows], row_tokens, row_tensors, [])
+        candidates = self._candidates(row_requests, logits[rows], row_tensors, [])
         now = time.perf_counter()
-        logprobs = self._logprobs(batch, logits, tokens, tensors, invalid)
-        candidates = self._candidates(batch, logits, tensors, invalid)
-        for row, request in enumerate(batch):
-            if row in invalid:
+        done = 0
+        for b, request in enumerate(batch):
+            if b in invalid:
                 events.append(self._fail(request, "the model produced NaN or infinite logits"))
                 continue
-            token = int(tokens[row])
-            request.token_times.append(now)
-            if logprobs[row] is not None:
-                request.logprobs.append(logprobs[row])
-            delta = request.stop.append(token)
-            if delta.finish_reason is not None:
-                self._finish(request, delta.finish_reason)
-            events.append(
-                Event(
-                    request.id,
-                    token,
-                    delta.text,
-                    delta.finish_reason,
-                    logprobs[row],
-                    candidates[row],
+            request.target_passes += 1
+            request.drafted += len(drafts[b].tokens)
+            request.accepted += len(emitted[b]) - 1
+            for i, token in enumerate(emitted[b]):
+                row = done + i
+                request.token_times.append(now)
+                if logprobs[row] is not None:
+                    request.logprobs.append(logprobs[row])
+                delta = request.stop.append(token)
+                events.append(
+                    Event(
+                        request.id,
+                        token,
+                        delta.text,
+                        delta.finish_reason,
+                        logprobs[row],
+                        candidates[row],
+                    )
                 )
-            )
+                if delta.finish_reason is not None:
+                    # A stop inside an accepted run cuts it: the later tokens are dropped.
+                    self._finish(request, delta.finish_reason)
+                    break
+            done += len(emitted[b])
+            if request.finish_reason is None:
+                self._roll_back(request)
         return events
 
     def _admit(self) -> None:
@@ -378,20 +462,46 @@ class Engine:
                 request.blocks = self.cache.allocator.allocate(needed)
             self.running.append(self.waiting.pop(0))
 
+    def _grow(self, request: Request, positions: int) -> None:
+        """Give the request blocks for `positions` positions (CacheFullError: none taken)."""
+        assert self.cache is not None
+        needed = self.cache.blocks_for(positions) - len(request.blocks)
+        request.blocks += self.cache.allocator.allocate(max(0, needed))
+
     def _reserve(self, request: Request, events: list[Event]) -> bool:
         """Make sure the request's cache holds its new tokens; fail it if it cannot grow."""
         if self.cache is None:
             return True
-        needed = self.cache.blocks_for(request.num_cached + len(request.new_tokens()))
         try:
-            request.blocks += self.cache.allocator.allocate(max(0, needed - len(request.blocks)))
+            self._grow(request, request.num_cached + len(request.new_tokens()))
         except CacheFullError as error:
             events.append(self._fail(request, str(error)))
             return False
         return True
 
-    def _forward(self, batch: list[Request]) -> Tensor:
-        """`[len(batch), vocab]` logits of each request's next token."""
+    def _draft(self, batch: list[Request]) -> list[Draft]:
+        """The drafter's tokens for each request: at most K, what max_tokens and the
+        context leave room for (the token after the drafts always comes too), and
+        none for a request whose blocks cannot grow to hold them."""
+        if self.drafter is None:
+            return [Draft([]) for _ in batch]
+        counts = []
+        for r in batch:
+            length = len(r.prompt_ids) + len(r.output_ids)
+            count = min(self.num_draft, self.config.max_context - length - 1)
+            if r.params.max_tokens is not None:
+                count = min(count, r.params.max_tokens - len(r.output_ids) - 1)
+            if count > 0:
+                try:
+                    self._grow(r, length + count)
+                except CacheFullError:
+                    count = 0  # no room for drafts: this step is plain decoding
+            counts.append(max(count, 0))
+        return self.drafter.propose(batch, counts, self._distributions)
+
+    def _forward(self, batch: list[Request], drafts: list[list[int]]) -> Tensor:
+        """Logits after each request's last token and after each of its drafts:
+        `[Σ (len(drafts[b]) + 1), vocab]`, request by request."""
         device = self.weights.device
         if self.naive:
             rows = [
@@ -404,39 +514,144 @@ class Engine:
             ]
             return torch.cat(rows)
         assert self.cache is not None
-        token_ids, positions, slots, query_start = [], [], [], [0]
-        for r in batch:
-            new = r.new_tokens()
-            token_ids += new
-            positions += range(r.num_cached, r.num_cached + len(new))
-            slots += self.cache.slots(r.blocks, r.num_cached, len(new))
-            query_start.append(query_start[-1] + len(new))
-        width = max(len(r.blocks) for r in batch)
-        block_table = [r.blocks + [0] * (width - len(r.blocks)) for r in batch]
-        seq_lens = [r.num_cached + len(r.new_tokens()) for r in batch]
-
-        def tensor(values: list) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        paged = PagedBatch(
-            positions=tensor(positions),
-            query_start=tensor(query_start),
-            seq_lens=tensor(seq_lens),
-            block_table=tensor(block_table),
-            slot_mapping=tensor(slots),
-            logits_indices=tensor(query_start[1:]) - 1,
+        token_ids, paged = self.cache.paged_batch(
+            [r.blocks for r in batch],
+            [r.num_cached for r in batch],
+            [r.new_tokens() + d for r, d in zip(batch, drafts, strict=True)],
+            [len(d) + 1 for d in drafts],
+            device,
         )
         logits = forward_cached(
             self.weights,
-            tensor(token_ids),
+            token_ids,
             paged,
             self.cache.layers,
             attention=self.backend.paged_attention,
             append=self.backend.append_kv,
         )
-        for r, length in zip(batch, seq_lens, strict=True):
+        for r, length in zip(batch, paged.seq_lens.tolist(), strict=True):
             r.num_cached = length
         return logits
+
+    def _sampling_tensors(
+        self, requests: list[Request], outputs: list[list[int]], device: torch.device
+    ) -> dict[str, Tensor]:
+        """`sample`'s per-row tensors: row i has requests[i]'s parameters after `outputs[i]`."""
+        return sampling.sampling_tensors(
+            [r.params for r in requests],
+            vocab_size=self.config.vocab_size,
+            prompt_token_ids=[r.prompt_ids for r in requests],
+            output_token_ids=outputs,
+            eos_token_ids=self.eos_token_ids,
+            device=device,
+        )
+
+    def _probs(self, logits: Tensor, tensors: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The distribution each row's token is drawn from, and which rows are valid.
+
+        Softmax of the processed logits (steps 1-8); for a greedy row the point
+        mass at its greedy token, so verification compares with exactly the token
+        `sample` would choose (no rounding of near-equal probabilities). Invalid
+        rows (SAMPLE-VALID-1) are all zeros.
+        """
+        processed = self.backend.process_logits(
+            logits, **{k: v for k, v in tensors.items() if k != "seed"}
+        )
+        valid = ~sampling.invalid_rows(processed)
+        point = torch.nn.functional.one_hot(sampling.greedy(processed), processed.shape[-1])
+        is_greedy = (tensors["temperature"] == 0)[:, None]
+        probs = torch.where(is_greedy, point.to(processed.dtype), softmax(processed))
+        return torch.where(valid[:, None], probs, 0), valid
+
+    def _distributions(
+        self, logits: Tensor, requests: list[Request], outputs: list[list[int]]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For a drafter: probabilities, seeds, steps and validity of each row (`_probs`)."""
+        tensors = self._sampling_tensors(requests, outputs, logits.device)
+        probs, valid = self._probs(logits, tensors)
+        return probs, tensors["seed"], tensors["step"], valid
+
+    def _choose(
+        self, drafts: list[Draft], logits: Tensor, tensors: dict[str, Tensor], first: list[int]
+    ) -> tuple[list[list[int]], set[int]]:
+        """Each request's emitted tokens, and the requests whose logits were invalid.
+
+        A request without drafts samples its one token (`sample`); the others
+        verify theirs (`verify_drafts`): the accepted drafts, then one more.
+        Request b's rows are `first[b] .. first[b + 1] − 1`.
+        """
+        emitted: list[list[int]] = [[] for _ in drafts]
+        invalid: set[int] = set()
+        plain = [b for b, d in enumerate(drafts) if not d.tokens]
+        if plain:
+            rows = [first[b] for b in plain]
+            try:
+                tokens = self.backend.sample(
+                    logits[rows], **{k: v[rows] for k, v in tensors.items()}
+                )
+                bad: list[int] = []
+            except self.backend.invalid_logits_error as error:
+                tokens, bad = error.tokens, error.rows
+            for j, b in enumerate(plain):
+                if j in bad:
+                    invalid.add(b)
+                else:
+                    emitted[b] = [int(tokens[j])]
+        drafted = [b for b, d in enumerate(drafts) if d.tokens]
+        if not drafted:
+            return emitted, invalid
+        rows = [row for b in drafted for row in range(first[b], first[b + 1])]
+        probs, valid = self._probs(logits[rows], {k: v[rows] for k, v in tensors.items()})
+        k = max(len(drafts[b].tokens) for b in drafted)
+        vocab = probs.shape[-1]
+        target = probs.new_zeros(len(drafted), k + 1, vocab)
+        draft_probs = probs.new_zeros(len(drafted), k, vocab)
+        draft_tokens = torch.zeros(len(drafted), k, dtype=torch.int64, device=probs.device)
+        num_draft = []
+        at = 0
+        for i, b in enumerate(drafted):
+            draft = drafts[b]
+            n = len(draft.tokens)
+            target[i, : n + 1] = probs[at : at + n + 1]
+            draft_tokens[i, :n] = torch.tensor(draft.tokens, device=probs.device)
+            if draft.probs is None:  # a deterministic drafter: one-hot
+                draft_probs[i, torch.arange(n, device=probs.device), draft_tokens[i, :n]] = 1
+            else:
+                draft_probs[i, :n] = draft.probs
+            # Invalid target logits after draft j − 1 end the run before it: only the
+            # tokens before them are decided (none, if the first row is invalid).
+            bad = (~valid[at : at + n + 1]).nonzero()
+            if len(bad) and int(bad[0]) == 0:
+                invalid.add(b)
+            num_draft.append(min(n, int(bad[0]) - 1) if len(bad) else n)
+            at += n + 1
+        heads = [first[b] for b in drafted]
+        result = self.backend.verify_drafts(
+            draft_tokens,
+            draft_probs,
+            target,
+            torch.tensor(num_draft, dtype=torch.int64, device=probs.device),
+            temperature=tensors["temperature"][heads],
+            seed=tensors["seed"][heads],
+            step=tensors["step"][heads],
+        )
+        for i, b in enumerate(drafted):
+            if b not in invalid:
+                emitted[b] = result.tokens[i, : int(result.num_accepted[i]) + 1].tolist()
+        return emitted, invalid
+
+    def _roll_back(self, request: Request) -> None:
+        """Forget the rejected drafts: the cache keeps the emitted sequence's positions
+        only (its last token is run next step), and blocks past them go back."""
+        if self.cache is None:
+            return
+        length = len(request.prompt_ids) + len(request.output_ids)
+        request.num_cached = min(request.num_cached, length - 1)
+        request.draft_cached = min(request.draft_cached, request.num_cached)
+        keep = self.cache.blocks_for(length)
+        if len(request.blocks) > keep:
+            self.cache.allocator.free(request.blocks[keep:])
+            del request.blocks[keep:]
 
     def _processed(self, logits: Tensor, tensors: dict[str, Tensor], rows: list[int]) -> Tensor:
         """The distribution each of `rows` was drawn from (steps 1-8), as logits."""
