@@ -85,7 +85,7 @@ def _params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _output_json(out: RequestOutput, show_logprobs: bool) -> dict:
+def _output_json(out: RequestOutput, show_logprobs: bool, speculating: bool) -> dict:
     result = {
         "text": out.text,
         "token_ids": out.token_ids,
@@ -96,6 +96,11 @@ def _output_json(out: RequestOutput, show_logprobs: bool) -> dict:
         "ttft_s": out.ttft_s,
         "tokens_per_s": out.tokens_per_s,
     }
+    if speculating:
+        result["draft_tokens"] = out.draft_tokens
+        result["accepted_tokens"] = out.accepted_tokens
+        result["acceptance_rate"] = out.acceptance_rate
+        result["tokens_per_target_pass"] = out.tokens_per_target_pass
     if out.error:
         result["error"] = out.error
     if show_logprobs and out.logprobs is not None:
@@ -128,9 +133,28 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _speculation(spec: str | None) -> tuple[str | None, str | None]:
+    """`--speculate` as the engine's `speculate` and the draft model's path."""
+    if spec is None or spec == "ngram":
+        return spec, None
+    if spec.startswith("layers:"):
+        if not spec.removeprefix("layers:").isdigit():
+            raise ValueError(f"--speculate {spec}: N of layers:N must be a positive integer")
+        return spec, None
+    if spec.startswith("model:") and len(spec) > len("model:"):
+        path = spec.removeprefix("model:")
+        if not Path(path).exists():
+            raise ValueError(f"--speculate {spec}: no file or directory {path}")
+        return "model", path
+    raise ValueError(f"--speculate must be ngram, layers:N or model:PATH, got {spec!r}")
+
+
 def generate(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model fails before it loads.
     params = _params(args)
+    speculate, draft_path = _speculation(args.speculate)
+    if args.num_draft < 1:
+        raise ValueError(f"--num-draft must be >= 1, got {args.num_draft}")
     device = _device(args.device)
     backend = get_backend(args.backend)
     if not 0 <= args.show_probs <= MAX_TOP_LOGPROBS:
@@ -139,12 +163,16 @@ def generate(args: argparse.Namespace) -> int:
         print("no GPU: the Triton kernels run in the Triton interpreter (slow)", file=sys.stderr)
     weights, tokenizer = load_model(args.model)
     weights = weights.to(device)
+    draft_model = load_model(draft_path)[0] if draft_path is not None else None
     engine = Engine(
         weights,
         tokenizer,
         backend=args.backend,
         naive=args.naive,
         show_probs=args.show_probs,
+        speculate=speculate,
+        num_draft=args.num_draft,
+        draft_model=draft_model,
     )
     ids = prompt_ids(tokenizer, args.prompt, args.raw)
     request_id = None
@@ -160,7 +188,7 @@ def generate(args: argparse.Namespace) -> int:
     assert request_id is not None
     out = engine.output(request_id)
     if args.json:
-        print(json.dumps(_output_json(out, args.logprobs is not None)))
+        print(json.dumps(_output_json(out, args.logprobs is not None, speculate is not None)))
         if out.error:
             print(f"decodespec: error: {out.error}", file=sys.stderr)
     else:
@@ -174,9 +202,17 @@ def generate(args: argparse.Namespace) -> int:
                 print(f"{token!r:>16} logprob {lp.logprob:8.4f} rank {lp.rank}", file=sys.stderr)
         rate = f"{out.tokens_per_s:.1f} tokens/s" if out.tokens_per_s else "- tokens/s"
         ttft = f"{out.ttft_s:.2f} s" if out.ttft_s is not None else "-"
+        speculation = ""
+        if speculate is not None:
+            accepted = f"{out.acceptance_rate:.0%}" if out.acceptance_rate is not None else "-"
+            speculation = (
+                f", {args.speculate}: {accepted} of {out.draft_tokens} drafts accepted, "
+                f"{out.tokens_per_target_pass or 0:.2f} tokens per target pass"
+            )
         print(
             f"[{out.completion_tokens} tokens, finish: {out.finish_reason}, seed: {out.seed}, "
-            f"TTFT {ttft}, {rate}, backend {args.backend}{', naive' if args.naive else ''}]",
+            f"TTFT {ttft}, {rate}, backend {args.backend}{', naive' if args.naive else ''}"
+            f"{speculation}]",
             file=sys.stderr,
         )
         if out.error:
@@ -260,6 +296,15 @@ def _parser() -> argparse.ArgumentParser:
         help="where the model runs (auto: the GPU if there is one)",
     )
     gen.add_argument("--naive", action="store_true", help="no KV cache: recompute every step")
+    gen.add_argument(
+        "--speculate",
+        metavar="DRAFTER",
+        help="speculative decoding with a drafter: ngram (prompt lookup), layers:N (the "
+        "model's first N layers) or model:PATH (a smaller model, same vocabulary)",
+    )
+    gen.add_argument(
+        "--num-draft", type=int, default=4, metavar="K", help="draft tokens per step (default 4)"
+    )
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.add_argument(

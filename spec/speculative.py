@@ -62,7 +62,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .sampling import check_range, greedy, uniform
+from .sampling import STREAM_TOKEN_CHOICE, check_range, greedy, uniform
 from .softmax import compute_dtype
 
 STREAM_ACCEPT = 1
@@ -226,10 +226,16 @@ def verify_drafts(
         residual = (p_next - q_next).clamp(min=0)
         residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
         at = step + position
-        from_residual = _gumbel_choice(residual, seed, at, STREAM_RESIDUAL)
-        from_target = _gumbel_choice(p_next, seed, at, 0)  # the token-choice stream
-        chosen = torch.where(rejected, from_residual, from_target)
-        next_token = torch.where(sampled, chosen, next_token)
+        # Each sampled row draws only the noise it uses: a vocabulary of Philox numbers.
+        for stream, weights, drawing in (
+            (STREAM_RESIDUAL, residual, sampled & rejected),
+            (STREAM_TOKEN_CHOICE, p_next, sampled & ~rejected),
+        ):
+            picked = drawing.nonzero()[:, 0]
+            if len(picked):
+                next_token[picked] = _gumbel_choice(
+                    weights[picked], seed[picked], at[picked], stream
+                )
 
     tokens = torch.full((batch, k + 1), -1, dtype=torch.int64, device=device)
     columns = torch.arange(k + 1, device=device)[None, :]
