@@ -738,6 +738,80 @@ def test_triton_backend_gives_the_spec_backends_seeded_tokens(model):
     assert triton["text"] == spec["text"]
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+REPEAT = (
+    "Repeat this paragraph exactly: The river runs past the old mill, under the stone "
+    "bridge and into the valley, where the farmers bring their grain to market every week."
+)
+
+
+@pytest.mark.clause("VERIFY-GREEDY-1")
+@pytest.mark.parametrize("drafter", ["ngram", "layers:8", "model:BUNDLED"])
+def test_speculation_gives_the_greedy_tokens_and_reports_its_rates(model, greedy, drafter):
+    """Each drafter from the CLI: plain greedy's tokens and logprobs, and the JSON adds
+    the acceptance rate and tokens per target pass. model:PATH loads the bundled
+    file a second time as its own draft model."""
+    drafter = drafter.replace("BUNDLED", str(bundled_model_path()))
+    run = run_cli(model, *GREEDY_ARGS, "--speculate", drafter, "--num-draft", "3")
+    result = run.json()
+    assert result["token_ids"] == greedy["token_ids"]
+    assert result["text"] == greedy["text"]
+    for plain, speculative in zip(greedy["logprobs"], result["logprobs"], strict=True):
+        assert speculative["logprob"] == pytest.approx(plain["logprob"], abs=1e-4)
+        assert speculative["rank"] == plain["rank"]
+    drafted, accepted = result["draft_tokens"], result["accepted_tokens"]
+    assert 0 <= accepted <= drafted
+    assert result["acceptance_rate"] == (accepted / drafted if drafted else None)
+    passes = result["completion_tokens"] / result["tokens_per_target_pass"]
+    assert passes == pytest.approx(GREEDY_TOKENS - accepted)  # one token a pass, plus drafts
+    if drafter.startswith("model:"):
+        assert result["acceptance_rate"] == 1.0  # the target drafting for itself
+        assert run.loads == [None, drafter.removeprefix("model:")]
+
+
+def test_prompt_lookup_speeds_up_a_repeated_paragraph(model):
+    """Prompt lookup on text the answer copies: most drafts pass, several tokens a pass,
+    and still exactly plain greedy's tokens; the stats line reports the rates."""
+    args = ("generate", REPEAT, "--max-tokens", "32")
+    plain = run_cli(model, *args, "--json").json()
+    speculative = run_cli(model, *args, "--json", "--speculate", "ngram").json()
+    assert speculative["token_ids"] == plain["token_ids"]
+    assert speculative["acceptance_rate"] > 0.5
+    assert speculative["tokens_per_target_pass"] > 2
+    text = run_cli(model, *args, "--speculate", "ngram")
+    assert text.code == 0 and text.out.strip() == plain["text"].strip()
+    assert re.search(
+        r", ngram: \d+% of \d+ drafts accepted, [\d.]+ tokens per target pass\]", text.err
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculate", "medusa"], r"--speculate must be ngram, layers:N or model:PATH"),
+        (["--speculate", "layers:x"], r"N of layers:N must be a positive integer"),
+        (["--speculate", "model:/no/such/model"], r"no file or directory /no/such/model"),
+        (["--speculate", "ngram", "--num-draft", "0"], r"--num-draft must be >= 1, got 0"),
+    ],
+)
+def test_bad_speculation_flags_exit_2_before_loading(flags, message):
+    run = run_cli(None, "generate", "hi", *flags)
+    assert_usage_error(run, message)
+    assert run.loads == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculate", "layers:31"], r"layers:N needs 1 <= N <= 30"),
+        (["--speculate", "ngram", "--naive"], r"needs the KV cache"),
+    ],
+)
+def test_speculation_the_model_cannot_run_exits_2(model, flags, message):
+    assert_usage_error(run_cli(model, "generate", "hi", *flags), message)
+
+
 def test_request_error_exits_1_without_traceback(model):
     """A model whose logits are NaN: the request fails, the process reports it."""
     weights, tokenizer = model
