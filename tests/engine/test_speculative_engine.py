@@ -437,3 +437,40 @@ def test_paged_batch_packs_drafts_after_the_new_tokens():
     assert batch.query_start.tolist() == [0, 1, 3]
     assert batch.block_table.tolist() == [[5, 1], [2, 0]]
     assert batch.logits_indices.tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- the Triton backend
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "layers:1"])
+def test_triton_backend_speculates_with_the_spec_backends_tokens(drafter, monkeypatch):
+    """Drafts verified by `kernels.verify_drafts` (in the interpreter without a GPU):
+    the spec backend's tokens, greedy and seeded."""
+    from reference import engine as engine_module
+
+    weights = random_weights(small_config(num_layers=2), seed=12)
+    tokenizer = ByteTokenizer()
+    requests = [
+        (list(b"abab abab ab"), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+        (list(b"cdcd cd"), SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)),
+    ]
+
+    def run(backend: str) -> list[list[int]]:
+        engine = Engine(weights, tokenizer, backend=backend, speculate=drafter, num_draft=3)
+        ids = [engine.add_request(prompt, params) for prompt, params in requests]
+        drain(engine)
+        return [engine.output(i).token_ids for i in ids]
+
+    spec_tokens = run("spec")
+    kernels = engine_module.get_backend("triton")
+    assert "verify_drafts" in kernels.kernel_ops
+    calls = []
+    real = engine_module.importlib.import_module("kernels").verify_drafts
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module.importlib.import_module("kernels"), "verify_drafts", counted)
+    assert run("triton") == spec_tokens
+    assert calls, "the kernel verified the drafts"
