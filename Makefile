@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-cpu bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint bench-cpu bench-speculative bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ test: lint
 bench-cpu: $(STAMP)
 	$(PY) -m pytest tests/benchmarks/test_cpu_engine.py --benchmarks -p no:cacheprovider \
 		--benchmark-columns=min,median,rounds --benchmark-sort=name -q
+
+# CPU benchmark of speculative decoding against plain cached decode: results/cpu-speculative.json
+bench-speculative: $(STAMP)
+	$(PY) -m tests.benchmarks.speculative
 
 # GPU benchmark of the paged attention kernel against its peers: results/attention-gpu.json
 bench-attention: $(STAMP)

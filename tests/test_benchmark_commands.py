@@ -1,8 +1,9 @@
-"""The GPU benchmark commands, end to end on a machine without a GPU.
+"""The benchmark commands, end to end on a machine without a GPU.
 
-Without CUDA a benchmark refuses before doing any work; `--smoke` runs it on
-tiny shapes in the Triton interpreter and writes a results file of the real
-run's form.
+Without CUDA a GPU benchmark refuses before doing any work; `--smoke` runs it
+on tiny shapes in the Triton interpreter and writes a results file of the real
+run's form. The CPU benchmark of speculative decoding runs its `--smoke` on a
+tiny random model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ ATTENTION = [sys.executable, "-m", "tests.benchmarks.attention"]
 PEERS = {"sdpa", "flex_attention", "flashinfer"}
 SAMPLING = [sys.executable, "-m", "tests.benchmarks.sampling"]
 SAMPLING_PEERS = {"sort_based", "flashinfer"}
+SPECULATIVE = [sys.executable, "-m", "tests.benchmarks.speculative"]
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
@@ -111,3 +113,44 @@ def test_sampling_benchmark_smoke(tmp_path):
     targets = report["targets"]
     assert len(targets) == 3
     assert [target["met"] for target in targets] == [None, None, None], "nothing to compare"
+
+
+def test_speculative_benchmark_smoke(tmp_path):
+    """Plain, prompt lookup and layers:N on each workload; greedy tokens unchanged."""
+    from docs.tools.performance import speculative_section
+
+    out = tmp_path / "results" / "cpu-speculative.json"
+    result = run([*SPECULATIVE, "--smoke", "--num-draft", "2,4", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and "not measurements" in report["note"]
+    header = {"benchmark", "command", "date", "device", "cores", "threads", "software", "model"}
+    assert header | {"statistic", "workloads", "targets", "same_tokens"} <= set(report)
+    assert {"python", "torch"} <= set(report["software"])
+    assert report["same_tokens"] is True
+
+    assert [w["name"] for w in report["workloads"]] == ["repeat", "novel"]
+    for workload in report["workloads"]:
+        assert workload["name"] in result.stdout
+        rows = workload["results"]
+        assert [row["configuration"] for row in rows] == [
+            "plain",
+            "ngram K=2",
+            "ngram K=4",
+            "layers:1 K=4",
+        ]
+        assert rows[0]["speedup_vs_plain"] == 1.0 and rows[0]["acceptance_rate"] is None
+        for row in rows:
+            assert row["same_tokens_as_plain"] is True, row["configuration"]
+            for key in ("wall_s", "end_to_end_tokens_per_s", "speedup_vs_plain"):
+                assert is_finite_number(row[key]) and row[key] > 0, key
+            assert row["completion_tokens"] == report["max_tokens"]
+            assert row["accepted_tokens"] <= row["draft_tokens"]
+            assert row["tokens_per_target_pass"] >= 1
+
+    targets = report["targets"]
+    assert len(targets) == 4, "each prompt-lookup K on each workload"
+    assert all(target["met"] in (True, False) for target in targets)
+
+    section = speculative_section(report)
+    assert "Smoke run" in section and "| plain | – | 1.00 |" in section

@@ -16,6 +16,7 @@ from docs.tools.figures import FIGURES, RESULTS_DIR, read_json
 CPU_FILE = "cpu-engine.json"
 ATTENTION_FILE = "attention-gpu.json"
 SAMPLING_FILE = "sampling-gpu.json"
+SPECULATIVE_FILE = "cpu-speculative.json"
 ATTENTION_FIGURE = f"{FIGURES}/attention-bandwidth.svg"
 SAMPLING_FIGURE = f"{FIGURES}/sampling-one-read.svg"
 NAIVE_FIGURE = f"{FIGURES}/naive-vs-cached.svg"
@@ -143,6 +144,70 @@ def cpu_section(cpu: dict | None) -> str:
     )
 
 
+def percent(value: float | None) -> str:
+    """A fraction as a percentage, or a dash where there is none (nothing drafted)."""
+    return "–" if value is None else f"{value:.0%}"
+
+
+def speculative_workload(workload: dict) -> str:
+    """One workload's table: each configuration against plain decode."""
+    rows = [
+        [
+            row["configuration"],
+            percent(row["acceptance_rate"]),
+            f"{row['tokens_per_target_pass']:.2f}",
+            f"{row['end_to_end_tokens_per_s']:.2f}",
+            f"{row['speedup_vs_plain']:.2f}×",
+            "yes" if row["same_tokens_as_plain"] else "**NO**",
+        ]
+        for row in workload["results"]
+    ]
+    return (
+        f"### {workload['name']}\n\n"
+        + f"{workload['description']}; {workload['prompt_tokens']} prompt tokens.\n\n"
+        + table(
+            [
+                "configuration",
+                "acceptance rate",
+                "tokens / target pass",
+                "end-to-end tok/s",
+                "speedup vs plain",
+                "same tokens",
+            ],
+            rows,
+        )
+        + "\n"
+    )
+
+
+def speculative_section(report: dict | None) -> str:
+    """Prompt lookup (and the first layers) as drafters against plain cached decode."""
+    heading = "## Speculative decoding on a CPU\n\n"
+    if report is None:
+        command = "make bench-speculative"
+        return heading + not_measured(SPECULATIVE_FILE, command).replace(" on a GPU", "")
+    environment = {
+        **report["software"],
+        "device": f"{report['device']}, {report['cores']} cores, {report['threads']} threads",
+        "date": report["date"],
+    }
+    return (
+        heading
+        + smoke_warning(report)
+        + f"{measured_on(environment, report['command'])}\n\n"
+        + f"Model: {report['model']}. Sampling: {report['sampling']}, "
+        + f"{report['max_tokens']} new tokens; statistic: {report['statistic']}.\n\n"
+        + "End to end: completion tokens over the wall time of `Engine.generate`, prefill "
+        + "included. Speedup: end-to-end tokens/s over plain cached decode's on the same "
+        + "workload. Same tokens: every round emitted exactly plain decode's (greedy) tokens. "
+        + "`ngram K=k`: prompt lookup, at most k drafts per step; `layers:N`: the model's first "
+        + "N layers draft (for information, no target).\n\n"
+        + "\n".join(speculative_workload(workload) for workload in report["workloads"])
+        + "\n### Targets\n\n"
+        + targets_list(report["targets"])
+    )
+
+
 # ---------------------------------------------------------------- GPU kernels
 
 
@@ -216,6 +281,7 @@ def performance_page(results_dir: Path = RESULTS_DIR) -> str:
     """The Markdown of `performance.md` from the results files present."""
     sections = [
         cpu_section(read_json(results_dir / CPU_FILE)),
+        speculative_section(read_json(results_dir / SPECULATIVE_FILE)),
         attention_section(read_json(results_dir / ATTENTION_FILE)),
         sampling_section(read_json(results_dir / SAMPLING_FILE)),
     ]
