@@ -43,6 +43,9 @@ from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 # ---------------------------------------------------------------- backends
 
 
+# The longest a request goes without drafts after passes that accepted none.
+MAX_DRAFT_PAUSE = 16
+
 STAGE_OPERATIONS = (
     "paged_attention",
     "append_kv",
@@ -165,6 +168,8 @@ class Request:
     target_passes: int = 0  # forward passes of the target that gave this request tokens
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    draft_pause: int = 0  # steps left without drafts (`Engine._adapt_drafting`)
+    draft_backoff: int = 0  # the pause after the next pass that accepts no draft
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
@@ -413,7 +418,7 @@ class Engine:
         row_tokens = torch.tensor(
             [t for tokens in emitted for t in tokens], dtype=torch.int64, device=logits.device
         )
-        row_tensors = {k: v[rows] for k, v in tensors.items()}
+        row_tensors = self._pick(tensors, rows)
         row_requests = [owners[row] for row in rows]
         logprobs = self._logprobs(row_requests, logits[rows], row_tokens, row_tensors, [])
         candidates = self._candidates(row_requests, logits[rows], row_tensors, [])
@@ -426,6 +431,8 @@ class Engine:
             request.target_passes += 1
             request.drafted += len(drafts[b].tokens)
             request.accepted += len(emitted[b]) - 1
+            if drafts[b].tokens:
+                self._adapt_drafting(request, accepted=len(emitted[b]) - 1)
             for i, token in enumerate(emitted[b]):
                 row = done + i
                 request.token_times.append(now)
@@ -487,6 +494,10 @@ class Engine:
             return [Draft([]) for _ in batch]
         counts = []
         for r in batch:
+            if r.draft_pause > 0:
+                r.draft_pause -= 1
+                counts.append(0)
+                continue
             length = len(r.prompt_ids) + len(r.output_ids)
             count = min(self.num_draft, self.config.max_context - length - 1)
             if r.params.max_tokens is not None:
@@ -549,19 +560,45 @@ class Engine:
     def _probs(self, logits: Tensor, tensors: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """The distribution each row's token is drawn from, and which rows are valid.
 
-        Softmax of the processed logits (steps 1-8); for a greedy row the point
-        mass at its greedy token, so verification compares with exactly the token
-        `sample` would choose (no rounding of near-equal probabilities). Invalid
-        rows (SAMPLE-VALID-1) are all zeros.
+        A sampled row: softmax of its processed logits (steps 1-8). A greedy
+        row: the point mass at the token `sample` chooses, so verification
+        compares drafts with exactly plain greedy's token (and skips the
+        filters, which cannot change it). Invalid rows (SAMPLE-VALID-1) are
+        all zeros.
         """
-        processed = self.backend.process_logits(
-            logits, **{k: v for k, v in tensors.items() if k != "seed"}
-        )
-        valid = ~sampling.invalid_rows(processed)
-        point = torch.nn.functional.one_hot(sampling.greedy(processed), processed.shape[-1])
-        is_greedy = (tensors["temperature"] == 0)[:, None]
-        probs = torch.where(is_greedy, point.to(processed.dtype), softmax(processed))
+        rows, vocab = logits.shape
+        probs = logits.new_zeros(rows, vocab)
+        valid = torch.ones(rows, dtype=torch.bool, device=logits.device)
+        is_greedy = (tensors["temperature"] == 0).tolist()
+        greedy_rows = [i for i in range(rows) if is_greedy[i]]
+        sampled_rows = [i for i in range(rows) if not is_greedy[i]]
+        if greedy_rows:
+            try:
+                tokens = self.backend.sample(
+                    logits[greedy_rows], **self._pick(tensors, greedy_rows)
+                )
+            except self.backend.invalid_logits_error as error:
+                tokens = error.tokens.clamp(min=0)
+                valid[[greedy_rows[j] for j in error.rows]] = False
+            probs[greedy_rows, tokens] = 1
+        while sampled_rows:
+            try:
+                processed = self.backend.process_logits(
+                    logits[sampled_rows], **self._pick(tensors, sampled_rows, seed=False)
+                )
+            except self.backend.invalid_logits_error as error:
+                bad = [sampled_rows[j] for j in error.rows]
+                valid[bad] = False
+                sampled_rows = [i for i in sampled_rows if i not in bad]
+                continue  # again without the invalid rows
+            probs[sampled_rows] = softmax(processed)
+            break
         return torch.where(valid[:, None], probs, 0), valid
+
+    @staticmethod
+    def _pick(tensors: dict[str, Tensor], rows: list[int], seed: bool = True) -> dict[str, Tensor]:
+        """The sampling tensors of some rows (without the seed: `process_logits`)."""
+        return {k: v[rows] for k, v in tensors.items() if seed or k != "seed"}
 
     def _distributions(
         self, logits: Tensor, requests: list[Request], outputs: list[list[int]]
@@ -586,9 +623,7 @@ class Engine:
         if plain:
             rows = [first[b] for b in plain]
             try:
-                tokens = self.backend.sample(
-                    logits[rows], **{k: v[rows] for k, v in tensors.items()}
-                )
+                tokens = self.backend.sample(logits[rows], **self._pick(tensors, rows))
                 bad: list[int] = []
             except self.backend.invalid_logits_error as error:
                 tokens, bad = error.tokens, error.rows
@@ -601,7 +636,7 @@ class Engine:
         if not drafted:
             return emitted, invalid
         rows = [row for b in drafted for row in range(first[b], first[b + 1])]
-        probs, valid = self._probs(logits[rows], {k: v[rows] for k, v in tensors.items()})
+        probs, valid = self._probs(logits[rows], self._pick(tensors, rows))
         k = max(len(drafts[b].tokens) for b in drafted)
         vocab = probs.shape[-1]
         target = probs.new_zeros(len(drafted), k + 1, vocab)
@@ -640,6 +675,20 @@ class Engine:
                 emitted[b] = result.tokens[i, : int(result.num_accepted[i]) + 1].tolist()
         return emitted, invalid
 
+    @staticmethod
+    def _adapt_drafting(request: Request, accepted: int) -> None:
+        """Draft less while drafts fail: a verification pass costs more than a plain
+        step (it runs K + 1 tokens), so one that accepts nothing is a loss. After
+        such a pass the request pauses drafting, twice as long as after the
+        previous one (up to MAX_DRAFT_PAUSE steps); each pass that accepts a
+        draft halves the pause. The drafting policy only looks at past passes,
+        so the tokens keep the target's distribution."""
+        if accepted == 0:
+            request.draft_backoff = min(max(1, 2 * request.draft_backoff), MAX_DRAFT_PAUSE)
+            request.draft_pause = request.draft_backoff
+        else:
+            request.draft_backoff //= 2
+
     def _roll_back(self, request: Request) -> None:
         """Forget the rejected drafts: the cache keeps the emitted sequence's positions
         only (its last token is run next step), and blocks past them go back."""
@@ -655,8 +704,7 @@ class Engine:
 
     def _processed(self, logits: Tensor, tensors: dict[str, Tensor], rows: list[int]) -> Tensor:
         """The distribution each of `rows` was drawn from (steps 1-8), as logits."""
-        picked = {k: v[rows] for k, v in tensors.items() if k != "seed"}
-        return self.backend.process_logits(logits[rows], **picked)
+        return self.backend.process_logits(logits[rows], **self._pick(tensors, rows, seed=False))
 
     def _logprobs(
         self,

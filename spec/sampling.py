@@ -627,8 +627,13 @@ _RANGES = {  # name: (low, high, low_open, high_open); PARAM-RANGE-1
 def _filter(z: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """Steps 5-8 on processed logits: scale, then top-k, top-p, min-p (SAMPLE-ORDER-1)."""
     z = apply_temperature(z, temperature)
-    for mask, param in ((top_k_mask, top_k), (top_p_mask, top_p), (min_p_mask, min_p)):
-        z = z.masked_fill(~mask(z, param), -math.inf)
+    for mask, param, off in (
+        (top_k_mask, top_k, 0),
+        (top_p_mask, top_p, 1),
+        (min_p_mask, min_p, 0),
+    ):
+        if bool((param != off).any()):  # a filter no row uses costs nothing (no sort)
+            z = z.masked_fill(~mask(z, param), -math.inf)
     return z
 
 

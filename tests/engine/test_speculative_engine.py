@@ -24,7 +24,8 @@ import torch
 from scipy import stats
 
 from reference.cache import PagedKVCache
-from reference.engine import Engine, Request
+from reference.drafters import Draft
+from reference.engine import MAX_DRAFT_PAUSE, Engine, Request
 from spec.forward import forward_naive
 from spec.sampling import SamplingParams, process_logits, sampling_tensors
 from spec.softmax import softmax
@@ -160,6 +161,50 @@ def test_drafts_wait_for_room_in_the_cache():
     speculative, drafted = run("layers:2")
     assert speculative == plain
     assert drafted[0] == 0 < drafted[-1]  # no room at the first step, drafts after
+
+
+def test_failing_drafts_pause_drafting_with_doubling_pauses():
+    """A drafter that is always wrong: after each fruitless pass the request drafts
+    again only after 1, 2, 4, ... (at most MAX_DRAFT_PAUSE) plain steps; the tokens
+    stay plain greedy's. A drafter that is right again halves the pause."""
+    weights = random_weights(small_config(), seed=13)
+    tokenizer = ByteTokenizer()
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain = Engine(weights, tokenizer)
+    plain_id = plain.add_request(list(b"go"), params)
+    drain(plain)
+    expected = plain.output(plain_id).token_ids
+
+    class Scripted:
+        """Drafts one token: the right one while `right`, else a wrong one."""
+
+        right = False
+
+        def propose(self, requests, counts, distributions):
+            drafts = []
+            for r, count in zip(requests, counts, strict=True):
+                token = expected[len(r.output_ids)]
+                drafts.append(Draft([token if self.right else (token + 1) % 256][:count]))
+            return drafts
+
+    engine = Engine(weights, tokenizer, speculate="ngram")
+    engine.drafter = Scripted()
+    request_id = engine.add_request(list(b"go"), params)
+    request = engine.requests[request_id]
+    drafted_at = []
+    for step in range(40):
+        before = request.drafted
+        engine.step()
+        if request.drafted > before:
+            drafted_at.append(step)
+    # Passes at steps 0, 2, 5, 10, 19, 36: pauses of 1, 2, 4, 8, 16 steps between them.
+    assert drafted_at == [0, 2, 5, 10, 19, 36]
+    assert request.draft_pause == MAX_DRAFT_PAUSE - 3
+    engine.drafter.right = True
+    request.draft_pause = 0
+    drain(engine)
+    assert request.draft_backoff < MAX_DRAFT_PAUSE  # accepted drafts shrink the pause
+    assert engine.output(request_id).token_ids == expected
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 7])
