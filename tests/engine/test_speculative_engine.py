@@ -41,6 +41,14 @@ def drain(engine: Engine) -> None:
         engine.step()
 
 
+def plain_run(weights, tokenizer, prompt: list[int], params: SamplingParams):
+    """The request's output from an engine without speculation (what speculation must match)."""
+    engine = Engine(weights, tokenizer)
+    request_id = engine.add_request(prompt, params)
+    drain(engine)
+    return engine.output(request_id)
+
+
 def check_blocks(engine: Engine) -> None:
     """Every block is free or owned by exactly one running request, and no more than
     its emitted sequence needs."""
@@ -170,10 +178,7 @@ def test_failing_drafts_pause_drafting_with_doubling_pauses():
     weights = random_weights(small_config(), seed=13)
     tokenizer = ByteTokenizer()
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    plain = Engine(weights, tokenizer)
-    plain_id = plain.add_request(list(b"go"), params)
-    drain(plain)
-    expected = plain.output(plain_id).token_ids
+    expected = plain_run(weights, tokenizer, list(b"go"), params).token_ids
 
     class Scripted:
         """Drafts one token: the right one while `right`, else a wrong one."""
@@ -225,10 +230,8 @@ def test_stop_inside_an_accepted_run_cuts_it(kind):
     weights = random_weights(small_config(), seed=8)
     tokenizer = ByteTokenizer()
     free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain = Engine(weights, tokenizer)
-    plain_id = plain.add_request(list(b"ok"), free)
-    drain(plain)
-    tokens, text = plain.output(plain_id).token_ids, plain.output(plain_id).text
+    plain = plain_run(weights, tokenizer, list(b"ok"), free)
+    tokens, text = plain.token_ids, plain.text
     # Stop around the 6th token: inside the second run of a full-depth drafter (4 per pass).
     if kind == "token":
         params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tokens[5]])
@@ -296,13 +299,9 @@ def test_rollback_leaves_the_cache_of_a_fresh_run(drafter):
     # Decoding on from here agrees with a fresh run of the emitted sequence.
     remaining = 40 - len(request.output_ids)
     drain(engine)
-    plain = Engine(weights, tokenizer)
-    plain_id = plain.add_request(
-        sequence, SamplingParams(temperature=0, max_tokens=remaining, ignore_eos=True)
-    )
-    drain(plain)
+    params = SamplingParams(temperature=0, max_tokens=remaining, ignore_eos=True)
     emitted_after = engine.output(request_id).token_ids[len(sequence) - len(request.prompt_ids) :]
-    assert plain.output(plain_id).token_ids == emitted_after
+    assert plain_run(weights, tokenizer, sequence, params).token_ids == emitted_after
 
 
 def test_second_model_drafter_rolls_its_own_cache_back():
