@@ -1,7 +1,7 @@
 """Triton kernels for the hot paths of the decode loop, vendorable.
 
 Each public function here has the same name and signature as an operation of
-`spec.registry.OPERATIONS`, and imports only torch, triton and modules of this
+`decodespec.spec.registry.OPERATIONS`, and imports only torch, triton and modules of this
 package, so the folder can be copied into another engine's tree and checked
 with `pytest --impl <its module name>`. On a machine without a GPU the
 kernels run in the Triton interpreter (set TRITON_INTERPRET=1 before

@@ -1,6 +1,6 @@
 """KV append: write each new token's K and V rows into its slot of the paged cache.
 
-Same name, signature and semantics as `spec.append.append_kv` (APPEND-SLOT-1,
+Same name, signature and semantics as `decodespec.spec.append.append_kv` (APPEND-SLOT-1,
 APPEND-SKIP-1, APPEND-STATE-1, APPEND-VALID-1). One program per token copies
 its `num_kv_heads · head_dim` values of K and of V; slot −1 (padding) writes
 nothing. The cast to the cache dtype happens in the wrapper with PyTorch's

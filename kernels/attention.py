@@ -1,6 +1,6 @@
 """Paged attention in Triton: packed queries of many sequences over a paged KV cache.
 
-Same name, signature and semantics as `spec.attention.paged_attention`
+Same name, signature and semantics as `decodespec.spec.attention.paged_attention`
 (ATTN-LAYOUT-1 ... ATTN-VALID-1), plus one keyword, `num_splits`. One
 operation serves decode (one query row per sequence), chunked prefill and
 speculative verification (several rows, causal, aligned bottom-right), mixed

@@ -1,6 +1,6 @@
 """Sampling in Triton: from logits to tokens in one fused, sort-free pass per row.
 
-Same names, signatures and semantics as `spec.sampling.sample`,
+Same names, signatures and semantics as `decodespec.spec.sampling.sample`,
 `process_logits` and `compute_logprobs` (SAMPLE-*, LOGITS-*, LOGPROB-*).
 One program owns one row and walks its vocabulary `BLOCK_V` entries at a
 time:

@@ -1,6 +1,6 @@
 """Verification of speculative drafts in Triton: one program per row.
 
-Same name, signature and semantics as `spec.speculative.verify_drafts`
+Same name, signature and semantics as `decodespec.spec.speculative.verify_drafts`
 (VERIFY-ACCEPT-1 ... VERIFY-VALID-1). A program walks its row's drafts in
 order: draft j passes if `U_j · q_j(x_j) < p_j(x_j)` (U from Philox stream 1
 at step + j, index 0), or, for a greedy row, if it is the first argmax of

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from spec.forward import ModelConfig, PagedBatch
+from decodespec.spec.forward import ModelConfig, PagedBatch
 
 
 class CacheFullError(RuntimeError):
@@ -108,7 +108,7 @@ class PagedKVCache:
         num_logits: Sequence[int],
         device: torch.device | str,
     ) -> tuple[Tensor, PagedBatch]:
-        """Pack new tokens of several sequences for `spec.forward.forward_cached`.
+        """Pack new tokens of several sequences for `decodespec.spec.forward.forward_cached`.
 
         Sequence b owns `blocks[b]`, has `starts[b]` positions cached, and
         runs `new_tokens[b]` at the positions after them; its last

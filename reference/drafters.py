@@ -2,7 +2,7 @@
 
 A drafter proposes up to K tokens per request, with the distribution each
 was drawn from; the target model verifies them in one pass
-(`spec.speculative.verify_drafts`), so a drafter changes the speed of
+(`decodespec.spec.speculative.verify_drafts`), so a drafter changes the speed of
 generation, never its distribution. Three kinds:
 
 - prompt lookup (`NgramDrafter`, `ngram_draft`): copy what followed the
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from spec.forward import ModelWeights, forward_cached
-from spec.sampling import greedy, uniform
+from decodespec.spec.forward import ModelWeights, forward_cached
+from decodespec.spec.sampling import greedy, uniform
 
 from .cache import PagedKVCache
 

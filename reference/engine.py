@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from spec import append, attention, sampling, speculative
-from spec.forward import ModelWeights, forward_cached, forward_naive
-from spec.sampling import InvalidLogitsError, SamplingParams
-from spec.softmax import softmax
-from spec.stop import StopChecker
+from decodespec.spec import append, attention, sampling, speculative
+from decodespec.spec.forward import ModelWeights, forward_cached, forward_naive
+from decodespec.spec.sampling import InvalidLogitsError, SamplingParams
+from decodespec.spec.softmax import softmax
+from decodespec.spec.stop import StopChecker
 
 from .cache import CacheFullError, PagedKVCache
 from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter
@@ -101,7 +101,7 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"unknown backend {name!r}: choose 'spec' or 'triton'")
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    kernels = importlib.import_module("kernels")
+    kernels = importlib.import_module("decodespec.kernels")
     provided = tuple(op for op in STAGE_OPERATIONS if hasattr(kernels, op))
     functions = {
         op: getattr(kernels if op in provided else SPEC_BACKEND, op) for op in STAGE_OPERATIONS
@@ -114,7 +114,7 @@ def check_backend_device(backend: Backend, device: torch.device) -> None:
     """Raise ValueError unless the backend's kernels can run on tensors on `device`."""
     if not backend.kernel_ops or device.type != "cpu":
         return
-    if not importlib.import_module("kernels.checks").INTERPRET:
+    if not importlib.import_module("decodespec.kernels.checks").INTERPRET:
         raise ValueError(
             "the triton backend needs the model on a GPU (device 'cuda'), or the Triton "
             "interpreter (TRITON_INTERPRET=1) for a model on the CPU"
@@ -217,7 +217,7 @@ class Engine:
     """Continuous-batching generation over a paged KV cache.
 
     Args:
-        weights: the model (`reference.loader.load_weights`).
+        weights: the model (`decodespec.reference.loader.load_weights`).
         tokenizer: encode/decode, `token_bytes`, `eos_token_ids`.
         backend: "spec" or "triton".
         naive: no KV cache; recompute every sequence at every step.

@@ -1,7 +1,7 @@
 """Model loading: Hugging Face safetensors directories and GGUF files → `ModelWeights`.
 
 `load_weights(path)` reads a Llama-family checkpoint into the decoder's
-weights (`spec.forward.ModelWeights`), in the layout the spec defines:
+weights (`decodespec.spec.forward.ModelWeights`), in the layout the spec defines:
 projections `[out_features, in_features]`, RoPE in the half-split layout.
 
 Supported inputs:
@@ -27,7 +27,7 @@ What is refused, always with an exception that names the file:
 - other architectures, activations other than SiLU, MLP biases, RoPE types
   other than the default and Llama 3's `llama3`, partial rotary embeddings,
   llama.cpp's `rope_freqs` tensor (Llama 3.1+ GGUF files) and a nonzero
-  attention output bias (`ValueError`: the decoder of `spec.forward` has no
+  attention output bias (`ValueError`: the decoder of `decodespec.spec.forward` has no
   place for them; a Llama `attention_bias` checkpoint whose o_proj bias is all
   zero loads, the zero bias dropped);
 - tensors that are missing, unexpected, or whose shape disagrees with the
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from spec.forward import LayerWeights, ModelConfig, ModelWeights, RopeScaling
+from decodespec.spec.forward import LayerWeights, ModelConfig, ModelWeights, RopeScaling
 
 from .tokenizer import Tokenizer
 

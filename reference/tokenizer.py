@@ -317,7 +317,7 @@ class Tokenizer:
             prefix space SentencePiece tokenizers add and their decoders strip).
 
     Example:
-        >>> from reference.model_files import bundled_model_path
+        >>> from decodespec.reference.model_files import bundled_model_path
         >>> tok = Tokenizer.from_gguf(bundled_model_path())
         >>> ids = tok.encode("<|im_start|>user\\nHi 42<|im_end|>")
         >>> ids
@@ -517,7 +517,7 @@ class Tokenizer:
                 tokenizer model or pre-type, or inconsistent metadata.
 
         Example:
-            >>> from reference.model_files import bundled_model_path
+            >>> from decodespec.reference.model_files import bundled_model_path
             >>> tok = Tokenizer.from_gguf(bundled_model_path())
             >>> tok.vocab_size, tok.bos_token_id, tok.eos_token_ids
             (49152, 1, (2,))
@@ -717,7 +717,7 @@ class Tokenizer:
 
         O(1): the table is computed once for the whole vocabulary. A token
         may hold part of a UTF-8 character; decode a sequence of them
-        incrementally (`spec.stop.IncrementalDetokenizer`).
+        incrementally (`decodespec.spec.stop.IncrementalDetokenizer`).
 
         Args:
             token_id: the id, in [0, vocab_size).
@@ -804,7 +804,7 @@ class Tokenizer:
                 raised by the template's own `raise_exception`).
 
         Example:
-            >>> from reference.model_files import bundled_model_path
+            >>> from decodespec.reference.model_files import bundled_model_path
             >>> tok = Tokenizer.from_gguf(bundled_model_path())
             >>> print(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
             <|im_start|>system

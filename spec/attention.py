@@ -5,7 +5,7 @@ during generation: a decode step (one new token per sequence), a chunk of a
 long prompt (chunked prefill), a whole prompt, and the verification of
 speculative draft tokens, for a batch whose sequences mix all of these. The
 keys and values of every position, the new ones included, are already in the
-cache: `spec.append.append_kv` writes them there first.
+cache: `decodespec.spec.append.append_kv` writes them there first.
 
 This module computes one sequence at a time, gathering its keys and values
 into contiguous tensors: the loop is the definition, not a schedule.

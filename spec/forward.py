@@ -7,8 +7,8 @@ weights and the same layer code:
 - naive (`forward_naive`): one sequence, every position recomputed from
   scratch, plain causal attention — the definition of what the model computes;
 - cached (`forward_cached`): the tokens of several sequences packed in one
-  call, their K/V appended to a paged cache (`spec.append.append_kv`) and
-  their queries attending over it (`spec.attention.paged_attention`): prefill,
+  call, their K/V appended to a paged cache (`decodespec.spec.append.append_kv`) and
+  their queries attending over it (`decodespec.spec.attention.paged_attention`): prefill,
   decode and chunked prefill are all this one function.
 
 [FWD-EMBED-1] The input of the first layer is the row of the embedding

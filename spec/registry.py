@@ -24,15 +24,19 @@ from typing import Literal
 
 import torch
 
-SPEC_MODULES = (
-    "spec.softmax",
-    "spec.logits",
-    "spec.sampling",
-    "spec.stop",
-    "spec.attention",
-    "spec.append",
-    "spec.forward",
-    "spec.speculative",
+# The spec's modules by their import names (`decodespec.spec.<stage>` when installed).
+SPEC_MODULES = tuple(
+    f"{__package__}.{stage}"
+    for stage in (
+        "softmax",
+        "logits",
+        "sampling",
+        "stop",
+        "attention",
+        "append",
+        "forward",
+        "speculative",
+    )
 )
 
 _CLAUSE = re.compile(r"^\[([A-Z0-9]+(?:-[A-Z0-9]+)*-\d+)\]\s+(.*)$")
@@ -120,7 +124,7 @@ class Operation:
 
 
 def _op(name: str, module: str, clauses: tuple[str, ...], tolerance: Tolerance) -> Operation:
-    return Operation(name, f"spec.{module}", clauses, tolerance)
+    return Operation(name, f"{__package__}.{module}", clauses, tolerance)
 
 
 # Margins: float32 evaluation of a sum over the vocabulary (top-p mass) or of

@@ -1,7 +1,7 @@
 """Sampling stage: from logits to the next token, per row of a batch.
 
 The pipeline of one row (SEMANTICS.md, "Sampling pipeline"): the logit
-processors of `spec.logits` (bias, min_tokens, penalties), a validity check,
+processors of `decodespec.spec.logits` (bias, min_tokens, penalties), a validity check,
 greedy or temperature, the top-k, top-p and min-p filters, and the
 Gumbel-max choice driven by a counter-based random number generator. Every
 parameter is a per-row tensor, so one call samples a batch whose requests

@@ -10,7 +10,7 @@ Per row the inputs are the drafts x_0 .. x_{n−1} (n = `num_draft[b]`, 0 <= n
 <= K), the draft distributions q_0 .. q_{n−1} they were drawn from, and the
 target distributions p_0 .. p_n at the same positions (p_n follows the last
 draft). Both are the distributions tokens are drawn from, softmax of
-`spec.sampling.process_logits` with the row's parameters for each model, so
+`decodespec.spec.sampling.process_logits` with the row's parameters for each model, so
 temperature, top-k, top-p, min-p and the processors apply to both (SEMANTICS.md,
 "Speculative decoding"). A deterministic drafter (prompt lookup) has one-hot
 q_j. `step[b]` is the number of tokens the row generated before x_0: draft j

@@ -1,8 +1,8 @@
 """Conformance harness: which implementation is under test, and what a run reports.
 
 Options (each also an environment variable):
-  --impl MODULE      (DECODESPEC_IMPL)    the module under test; default `kernels`.
-                     With the default, operations `kernels` lacks run as a
+  --impl MODULE      (DECODESPEC_IMPL)    the module under test; default `decodespec.kernels`.
+                     With the default, operations `decodespec.kernels` lacks run as a
                      self-check of the spec and are listed in the header; a
                      module named explicitly gets "missing" skips instead.
   --xfails FILE      (DECODESPEC_XFAILS)  known failures: one test id a line,
@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
 
 from hypothesis import settings
 
-from spec import registry
+from decodespec.spec import registry
 from tests import repro
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ class Implementation:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("decodespec conformance")
-    group.addoption("--impl", default=None, help="module under test (default: kernels)")
+    group.addoption("--impl", default=None, help="module under test (default: decodespec.kernels)")
     group.addoption("--xfails", default=None, help="file of known failures")
     group.addoption("--report", default=None, help="write the clause report JSON here")
     group.addoption(
@@ -138,7 +138,9 @@ def _option(config: pytest.Config, name: str) -> str | None:
 
 def pytest_configure(config: pytest.Config) -> None:
     name = _option(config, "impl")
-    config._decodespec_impl = Implementation(name or "kernels", explicit=name is not None)
+    config._decodespec_impl = Implementation(
+        name or "decodespec.kernels", explicit=name is not None
+    )
     path = _option(config, "report")
     if path:
         config.pluginmanager.register(ClauseReport(path, config._decodespec_impl))

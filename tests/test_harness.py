@@ -51,7 +51,7 @@ def test_explicit_impl_skips_missing_operations_and_unsupported_features(tmp_pat
 def test_default_impl_self_checks_and_reports_missing_kernels():
     run = run_suite(SOFTMAX_TESTS, "-k", "softmax_matches_reference")
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "decodespec implementation under test: kernels" in run.stdout
+    assert "decodespec implementation under test: decodespec.kernels" in run.stdout
     assert "missing operations (run as a self-check of the spec): softmax" in run.stdout
 
 

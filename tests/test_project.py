@@ -5,14 +5,16 @@ from __future__ import annotations
 import ast
 import doctest
 import importlib
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from spec import registry
+from decodespec.spec import registry
 
 ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "decodespec"
 PACKAGES = ("spec", "kernels", "reference")
 
 # What each package may import from the project (ARCHITECTURE.md, "Dependency rule").
@@ -28,17 +30,31 @@ THIRD_PARTY = {
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:
-    """Top-level names imported by a file (relative imports count as its own package)."""
+    """What a file imports, as (name, line): a project package by its folder name
+    (`decodespec.spec.x` and a relative `.x` inside spec/ are both "spec"), anything
+    else by its top-level module name (a bare `spec` stays "spec" too: see
+    test_project_packages_are_imported_through_the_namespace)."""
+    own = path.relative_to(ROOT).parts[0]
     tree = ast.parse(path.read_text(), filename=str(path))
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names += [(alias.name.split(".")[0], node.lineno) for alias in node.names]
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 1:
+            modules = [own]
+        elif isinstance(node, ast.ImportFrom) and node.level > 1:
+            modules = [node.module or own]  # `from ..spec import x` leaves the package
+        elif isinstance(node, ast.ImportFrom) and node.module == NAMESPACE:
+            modules = [alias.name for alias in node.names]  # from decodespec import kernels
         elif isinstance(node, ast.ImportFrom):
-            if node.level > 0:
-                names.append((path.relative_to(ROOT).parts[0], node.lineno))
-            elif node.module:
-                names.append((node.module.split(".")[0], node.lineno))
+            modules = [node.module]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] == NAMESPACE and len(parts) > 1:
+                parts = parts[1:]
+            names.append((parts[0], node.lineno))
     return names
 
 
@@ -52,11 +68,41 @@ def test_dependency_rule(package):
             if name in project and name not in ALLOWED[package]:
                 violations.append(where)
             elif package in THIRD_PARTY and name not in project:
-                import sys
-
                 if name not in sys.stdlib_module_names and name not in THIRD_PARTY[package]:
                     violations.append(where)
     assert not violations, "dependency rule broken:\n" + "\n".join(violations)
+
+
+def _absolute_imports(path: Path) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, node.lineno))
+    return found
+
+
+def test_project_packages_are_imported_through_the_namespace():
+    """Installed, the packages exist only as decodespec.spec, decodespec.kernels and
+    decodespec.reference: a bare `import spec` works in a checkout (the repository
+    root is on sys.path) and nowhere else, and would load a second copy of a module
+    beside the namespaced one."""
+    violations = []
+    for folder in (*PACKAGES, "tests", "docs"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for module, line in _absolute_imports(path):
+                if module.split(".")[0] in PACKAGES:
+                    violations.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert not violations, "use decodespec.<package>:\n" + "\n".join(violations)
+
+
+def test_installed_package_is_the_checkout():
+    """The editable install maps decodespec.* onto the repository's folders."""
+    for package in PACKAGES:
+        module = importlib.import_module(f"{NAMESPACE}.{package}")
+        assert Path(module.__file__).resolve() == ROOT / package / "__init__.py"
 
 
 def _clause_marks() -> dict[str, list[str]]:
@@ -115,12 +161,12 @@ def test_every_operation_names_real_clauses():
     "module",
     (
         *registry.SPEC_MODULES,
-        "spec.registry",
-        "kernels.append",
-        "kernels.attention",
-        "kernels.sampling",
-        "kernels.speculative",
-        "reference.drafters",
+        "decodespec.spec.registry",
+        "decodespec.kernels.append",
+        "decodespec.kernels.attention",
+        "decodespec.kernels.sampling",
+        "decodespec.kernels.speculative",
+        "decodespec.reference.drafters",
     ),
 )
 def test_docstring_examples_run(module):

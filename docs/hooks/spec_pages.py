@@ -7,7 +7,7 @@
   from the module with `inspect.getsource`. The pages are virtual: nothing is
   written to docs/.
 - `kernels.md`: the marker `<!-- kernels-api -->` becomes the public API of
-  `kernels/`, read from the docstrings of `kernels.__all__` with `ast` (the
+  `kernels/`, read from the docstrings of `decodespec.kernels.__all__` with `ast` (the
   kernels are never imported, so the build needs neither a GPU nor Triton).
 - `conformance.md`: the marker `<!-- conformance-matrix -->` becomes the
   clause → tests → outcome matrix of `docs/conformance-report.json`, the
@@ -30,7 +30,7 @@ from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
 
-from spec import registry
+from decodespec.spec import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS_MARKER = "<!-- kernels-api -->"
@@ -52,14 +52,14 @@ class Stage:
 
 
 STAGES = (
-    Stage("forward", "Forward pass", "spec.forward"),
-    Stage("attention", "Attention", "spec.attention"),
-    Stage("logits", "Logits", "spec.logits"),
-    Stage("softmax", "Softmax", "spec.softmax"),
-    Stage("sampling", "Sampling", "spec.sampling"),
-    Stage("append", "Append", "spec.append"),
-    Stage("stop", "Stop", "spec.stop"),
-    Stage("speculative", "Speculative verification", "spec.speculative"),
+    Stage("forward", "Forward pass", "decodespec.spec.forward"),
+    Stage("attention", "Attention", "decodespec.spec.attention"),
+    Stage("logits", "Logits", "decodespec.spec.logits"),
+    Stage("softmax", "Softmax", "decodespec.spec.softmax"),
+    Stage("sampling", "Sampling", "decodespec.spec.sampling"),
+    Stage("append", "Append", "decodespec.spec.append"),
+    Stage("stop", "Stop", "decodespec.spec.stop"),
+    Stage("speculative", "Speculative verification", "decodespec.spec.speculative"),
 )
 
 # Differences from other engines that the clause texts do not state, by
@@ -255,7 +255,7 @@ def stage_page(stage: Stage, tests: dict[str, list[str]], docs_dir: Path) -> str
 
 
 def _kernels_all() -> list[str]:
-    """The names of `kernels.__all__`, read from kernels/__init__.py."""
+    """The names of `decodespec.kernels.__all__`, read from kernels/__init__.py."""
     tree = ast.parse((ROOT / "kernels" / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
@@ -328,7 +328,7 @@ def docstring_markdown(docstring: str) -> str:
 
 
 def kernels_api() -> str:
-    """The public API of `kernels/`: one section per name of `kernels.__all__`."""
+    """The public API of `kernels/`: one section per name of `decodespec.kernels.__all__`."""
     definitions = _kernel_definitions()
     sections = []
     for name in _kernels_all():

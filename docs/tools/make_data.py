@@ -6,7 +6,7 @@ Runs the bundled SmolLM2-135M-Instruct on the CPU (about two minutes) and writes
 
 - `sampling.json`: one real next-token distribution (the first answer token of
   the chat-templated "What is the capital of France?") before and after
-  temperature, top-k, top-p and min-p (`spec.sampling.process_logits`), and
+  temperature, top-k, top-p and min-p (`decodespec.spec.sampling.process_logits`), and
   the top candidates of every step of a short greedy generation;
 - `engine-timing.json`: time to first token and cached decode time per token
   as the prompt grows, and the token times of one request.
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from reference.engine import Engine
-from reference.loader import load_model
-from reference.model_files import bundled_model_path
-from spec.forward import ModelWeights, forward_naive
-from spec.sampling import SamplingParams, process_logits
+from decodespec.reference.engine import Engine
+from decodespec.reference.loader import load_model
+from decodespec.reference.model_files import bundled_model_path
+from decodespec.spec.forward import ModelWeights, forward_naive
+from decodespec.spec.sampling import SamplingParams, process_logits
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 COMMAND = "make docs-data"

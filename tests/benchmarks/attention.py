@@ -1,4 +1,4 @@
-"""GPU benchmark of `kernels.paged_attention`: `make bench-attention`.
+"""GPU benchmark of `decodespec.kernels.paged_attention`: `make bench-attention`.
 
     python -m tests.benchmarks.attention [--out PATH] [--smoke]
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec.registry import OPERATIONS
+from decodespec.spec.registry import OPERATIONS
 from tests.benchmarks.gpu import (
     RESULTS,
     PeerUnavailable,

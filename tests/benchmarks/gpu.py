@@ -174,7 +174,7 @@ def start_run(command: str, smoke: bool) -> Run:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         require_cuda(command)
-    kernels = importlib.import_module("kernels")
+    kernels = importlib.import_module("decodespec.kernels")
     device = torch.device("cpu" if smoke else "cuda")
     timer = single_call_ms if smoke else median_ms
     torch.manual_seed(0)

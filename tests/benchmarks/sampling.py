@@ -14,7 +14,7 @@ few raised tokens, from flat rows to peaked ones (`make_logits`).
 Per case: our median time (the public calls, argument checks included); the
 time one read of the logits takes at the measured copy bandwidth and our time
 over it (1 would be a single pass at copy speed); the fraction of rows whose token equals the spec's
-(`spec.sampling.sample` on the same tensors; ~1.0, float32 rounding aside).
+(`decodespec.spec.sampling.sample` on the same tensors; ~1.0, float32 rounding aside).
 Peers, timed in the same process on the same logits, with their time over
 ours (> 1: we are faster):
 
@@ -42,7 +42,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from spec.sampling import sample as spec_sample
+from decodespec.spec.sampling import sample as spec_sample
 from tests.benchmarks.gpu import (
     RESULTS,
     PeerUnavailable,

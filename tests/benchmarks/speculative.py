@@ -49,10 +49,10 @@ from pathlib import Path
 
 import torch
 
-from reference.cli import prompt_ids
-from reference.engine import Engine, RequestOutput
-from spec.forward import ModelWeights
-from spec.sampling import SamplingParams
+from decodespec.reference.cli import prompt_ids
+from decodespec.reference.engine import Engine, RequestOutput
+from decodespec.spec.forward import ModelWeights
+from decodespec.spec.sampling import SamplingParams
 from tests.benchmarks.gpu import write_json
 from tests.benchmarks.test_cpu_engine import cpu_name
 
@@ -146,8 +146,8 @@ def load(smoke: bool) -> tuple[ModelWeights, object, str]:
         from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
         return random_weights(small_config()), ByteTokenizer(), "random toy model (--smoke)"
-    from reference.loader import load_model
-    from reference.model_files import bundled_model_path
+    from decodespec.reference.loader import load_model
+    from decodespec.reference.model_files import bundled_model_path
 
     weights, tokenizer = load_model(bundled_model_path())
     dtype = str(weights.dtype).removeprefix("torch.")

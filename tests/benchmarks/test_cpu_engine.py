@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.engine import Engine
-from reference.loader import load_model
-from reference.model_files import bundled_model_path
-from spec.sampling import SamplingParams
+from decodespec.reference.engine import Engine
+from decodespec.reference.loader import load_model
+from decodespec.reference.model_files import bundled_model_path
+from decodespec.spec.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("DECODESPEC_BENCH_OUT", ROOT / "results" / "cpu-engine.json"))

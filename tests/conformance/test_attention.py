@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from spec import registry
+from decodespec.spec import registry
 from tests.strategies import DEVICE, FLOAT_DTYPES, LARGE
 
 ATTENTION = registry.OPERATIONS["paged_attention"]

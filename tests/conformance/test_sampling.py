@@ -15,10 +15,10 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 from scipy import stats
 
-from spec import registry
-from spec.logits import apply_logit_processors
-from spec.sampling import process_logits
-from spec.softmax import apply_temperature
+from decodespec.spec import registry
+from decodespec.spec.logits import apply_logit_processors
+from decodespec.spec.sampling import process_logits
+from decodespec.spec.softmax import apply_temperature
 from tests import oracle
 from tests.strategies import (
     DEVICE,

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec import registry
+from decodespec.spec import registry
 from tests.strategies import DEVICE, FLOAT_DTYPES, logits, make_logits, per_row, temperatures
 
 

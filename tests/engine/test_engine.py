@@ -10,11 +10,10 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-import kernels
-import kernels.checks
-from reference.engine import SPEC_BACKEND, STAGE_OPERATIONS, Engine, get_backend
-from spec.forward import PagedBatch, forward_cached, forward_naive
-from spec.sampling import SamplingParams
+from decodespec import kernels
+from decodespec.reference.engine import SPEC_BACKEND, STAGE_OPERATIONS, Engine, get_backend
+from decodespec.spec.forward import PagedBatch, forward_cached, forward_naive
+from decodespec.spec.sampling import SamplingParams
 from tests.engine.toy import LLAMA3_SCALING, ByteTokenizer, random_weights, small_config
 
 # ---------------------------------------------------------------- cached = naive

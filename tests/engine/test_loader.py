@@ -1,6 +1,6 @@
-"""The model loader (`reference.loader`): checkpoints load into the spec's decoder.
+"""The model loader (`decodespec.reference.loader`): checkpoints load into the spec's decoder.
 
-The decoder of `spec.forward` fed by the loader must compute what
+The decoder of `decodespec.spec.forward` fed by the loader must compute what
 transformers computes from the same checkpoint:
 
 - small random Llama / Mistral / Qwen2 models saved as safetensors;
@@ -25,8 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reference.loader import load_weights, unpermute_rope_rows
-from spec.forward import ModelWeights, forward_naive
+from decodespec.reference.loader import load_weights, unpermute_rope_rows
+from decodespec.spec.forward import ModelWeights, forward_naive
 from tests.engine import checkpoints
 
 FORWARD_CLAUSES = (

@@ -23,12 +23,12 @@ import pytest
 import torch
 from scipy import stats
 
-from reference.cache import PagedKVCache
-from reference.drafters import Draft
-from reference.engine import MAX_DRAFT_PAUSE, Engine, Request
-from spec.forward import forward_naive
-from spec.sampling import SamplingParams, process_logits, sampling_tensors
-from spec.softmax import softmax
+from decodespec.reference.cache import PagedKVCache
+from decodespec.reference.drafters import Draft
+from decodespec.reference.engine import MAX_DRAFT_PAUSE, Engine, Request
+from decodespec.spec.forward import forward_naive
+from decodespec.spec.sampling import SamplingParams, process_logits, sampling_tensors
+from decodespec.spec.softmax import softmax
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
 # The whole suite's false-positive rate for the distribution tests, split
@@ -488,9 +488,10 @@ def test_paged_batch_packs_drafts_after_the_new_tokens():
 
 @pytest.mark.parametrize("drafter", ["ngram", "layers:1"])
 def test_triton_backend_speculates_with_the_spec_backends_tokens(drafter, monkeypatch):
-    """Drafts verified by `kernels.verify_drafts` (in the interpreter without a GPU):
+    """Drafts verified by `decodespec.kernels.verify_drafts` (in the interpreter without a GPU):
     the spec backend's tokens, greedy and seeded."""
-    from reference import engine as engine_module
+    from decodespec import kernels
+    from decodespec.reference import engine as engine_module
 
     weights = random_weights(small_config(num_layers=2), seed=12)
     tokenizer = ByteTokenizer()
@@ -506,15 +507,14 @@ def test_triton_backend_speculates_with_the_spec_backends_tokens(drafter, monkey
         return [engine.output(i).token_ids for i in ids]
 
     spec_tokens = run("spec")
-    kernels = engine_module.get_backend("triton")
-    assert "verify_drafts" in kernels.kernel_ops
+    assert "verify_drafts" in engine_module.get_backend("triton").kernel_ops
     calls = []
-    real = engine_module.importlib.import_module("kernels").verify_drafts
+    real = kernels.verify_drafts
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module.importlib.import_module("kernels"), "verify_drafts", counted)
+    monkeypatch.setattr(kernels, "verify_drafts", counted)
     assert run("triton") == spec_tokens
     assert calls, "the kernel verified the drafts"

@@ -38,16 +38,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reference import model_files
-from reference.model_files import bundled_model_path
-from reference.tokenizer import (
+from decodespec.reference import model_files
+from decodespec.reference.model_files import bundled_model_path
+from decodespec.reference.tokenizer import (
     BYTE_TO_UNICODE,
     GGUF_PRE_TYPES,
     ChatTemplateError,
     Tokenizer,
     byte_level_bytes,
 )
-from spec.stop import IncrementalDetokenizer
+from decodespec.spec.stop import IncrementalDetokenizer
 
 ORIGINAL_PRE_TOKENIZER = {  # SmolLM2's tokenizer.json on the Hugging Face hub
     "type": "Sequence",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from spec.forward import LayerWeights, ModelConfig, ModelWeights, RopeScaling
+from decodespec.spec.forward import LayerWeights, ModelConfig, ModelWeights, RopeScaling
 
 
 def random_weights(

@@ -30,8 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-import kernels
-import kernels.checks
+from decodespec import kernels
 from tests.conformance.test_attention import build_case
 
 TARGET = GPUTarget("cuda", 90, 32)

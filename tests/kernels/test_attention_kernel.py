@@ -1,7 +1,7 @@
 """What the Triton attention kernel promises beyond the spec's signature.
 
 The conformance suite (tests/conformance/test_attention.py) checks
-`kernels.paged_attention` against the spec through the operation's common
+`decodespec.kernels.paged_attention` against the spec through the operation's common
 signature. This module covers the kernel's own keyword, `num_splits`
 (split-KV): every split count agrees with the spec, results are bitwise
 reproducible, a different split count moves results only within rounding, the
@@ -18,10 +18,8 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-import kernels
-import kernels.attention
-import kernels.checks
-from spec import registry
+from decodespec import kernels
+from decodespec.spec import registry
 from tests.conformance.test_attention import (
     assert_lse_close,
     assert_rows_close,

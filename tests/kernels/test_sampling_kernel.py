@@ -13,9 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import kernels.checks
-from spec import sampling as spec
+from decodespec import kernels
+from decodespec.spec import sampling as spec
 from tests.conformance.test_sampling import assert_tokens_conform
 from tests.strategies import DEVICE, LARGE
 

@@ -1,6 +1,6 @@
 """A correct partial implementation: only `softmax`, without bfloat16 support."""
 
-from spec.softmax import softmax
+from decodespec.spec.softmax import softmax
 
 CONFORMANCE_UNSUPPORTED = {"bfloat16": "this implementation has no bfloat16 path"}
 

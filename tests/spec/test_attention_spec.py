@@ -16,8 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec.append import append_kv
-from spec.attention import paged_attention
+from decodespec.spec.append import append_kv
+from decodespec.spec.attention import paged_attention
 from tests.conformance.test_attention import attention_cases, dense_attention
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec.sampling import (
+from decodespec.spec.sampling import (
     SamplingParams,
     resolve_seed,
     sample,

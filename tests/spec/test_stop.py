@@ -10,8 +10,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from spec.sampling import SamplingParams
-from spec.stop import (
+from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.stop import (
     IncrementalDetokenizer,
     StopChecker,
     StreamDelta,

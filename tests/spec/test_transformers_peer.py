@@ -45,9 +45,9 @@ import torch
 from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
-from spec.logits import apply_penalties
-from spec.sampling import min_p_mask, process_logits, top_k_mask, top_p_mask
-from spec.softmax import apply_temperature, softmax
+from decodespec.spec.logits import apply_penalties
+from decodespec.spec.sampling import min_p_mask, process_logits, top_k_mask, top_p_mask
+from decodespec.spec.softmax import apply_temperature, softmax
 from tests.repro import source
 
 hf = pytest.importorskip("transformers.generation.logits_process")
