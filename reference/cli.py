@@ -2,7 +2,8 @@
 
 `decodespec generate PROMPT` streams a completion from the bundled
 SmolLM2-135M-Instruct (or `--model PATH`); `decodespec demo` shows the
-sampling stage on example logits.
+sampling stage on example logits. The console script enters through
+`__main__.py`, which takes over Ctrl-C before this module is imported.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from spec.forward import ModelWeights
-from spec.sampling import (
+from decodespec.spec.forward import ModelWeights
+from decodespec.spec.sampling import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
     process_logits,
     sample,
     sampling_tensors,
 )
-from spec.softmax import softmax
+from decodespec.spec.softmax import softmax
 
 from . import loader
 from .engine import Engine, RequestOutput, get_backend
@@ -344,8 +345,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad input is the user's to fix: a clear message, no traceback.
         print(f"decodespec: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly. Point stdout at /dev/null so
         # the interpreter's final flush does not raise again.
@@ -355,7 +354,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError, io.UnsupportedOperation):
             pass  # stdout is not a file descriptor (tests)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

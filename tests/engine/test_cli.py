@@ -1,7 +1,7 @@
 """The `decodespec` command on the bundled SmolLM2-135M-Instruct: output, flags, errors.
 
-The model loads once per module. Each CLI call runs in-process (`reference.cli.main`)
-with the CLI's loader (`reference.cli.load_model`) patched to return that model, so a
+The model loads once per module. Each CLI call runs in-process (`decodespec.reference.cli.main`)
+with the CLI's loader (`decodespec.reference.cli.load_model`) patched to return that model, so a
 call costs its generation only; a `--model PATH` still goes to the real loader. Two
 runs of the installed command check the real process. The greedy continuation is
 compared token for token with transformers reading the same GGUF file.
@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from reference import cli
-from reference import engine as engine_module
-from reference.engine import Engine
-from reference.loader import load_model
-from reference.model_files import bundled_model_path
-from spec.sampling import SamplingParams
+from decodespec import kernels
+from decodespec.reference import cli
+from decodespec.reference import engine as engine_module
+from decodespec.reference.engine import Engine
+from decodespec.reference.loader import load_model
+from decodespec.reference.model_files import bundled_model_path
+from decodespec.spec.sampling import SamplingParams
 from tests.engine.checkpoints import hf_model_from_gguf
 
 QUESTION = "What is the capital of France?"
@@ -102,7 +102,7 @@ def run_cli(model: tuple | None, *argv: str) -> Run:
 
 def installed_command() -> list[str]:
     script = Path(sys.executable).with_name("decodespec")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "reference.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "decodespec.reference"]
 
 
 class Installed:
