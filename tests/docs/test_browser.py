@@ -7,7 +7,7 @@ screenshot that is not one flat colour, text in the content area), logs no
 console error, has no request that fails or answers >= 400, and that every
 image on it has loaded.
 
-The browser is the system's Chromium (`apt-get install -y chromium`; `.ci/run`
+The browser is the system's Chromium (`apt-get install -y chromium`; `make test`
 installs it), never one Playwright downloads. DECODESPEC_CHROMIUM names
 another executable. Without it the test fails, it is never skipped.
 """
@@ -110,7 +110,7 @@ def missing_chromium_message(executable: Path) -> str:
     return (
         f"Chromium not found at {executable}. The browser test needs Debian's Chromium:\n"
         "    sudo apt-get install -y chromium\n"
-        "(.ci/run installs it; DECODESPEC_CHROMIUM names another executable.)"
+        "(`make test` installs it; DECODESPEC_CHROMIUM names another executable.)"
     )
 
 
