@@ -31,8 +31,10 @@ from decodespec.spec.sampling import (
 from decodespec.spec.softmax import softmax
 
 from . import loader
-from .engine import Engine, RequestOutput, get_backend
+from .backend import get_backend
+from .engine import Engine
 from .model_files import bundled_model_path
+from .request import RequestOutput
 from .tokenizer import Tokenizer
 
 # ---------------------------------------------------------------- loading

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -34,9 +34,7 @@ from decodespec.spec.forward import ModelWeights, forward_cached
 from decodespec.spec.sampling import greedy, uniform
 
 from .cache import PagedKVCache
-
-if TYPE_CHECKING:
-    from .engine import Request
+from .request import Request
 
 DRAFT_STREAM = 3  # streams 0-2 are token choice, acceptance and residual (spec.speculative)
 
@@ -96,9 +94,9 @@ class Draft:
 
 # distributions(logits, requests, outputs) -> (probs, seed, step, valid): for each
 # row, the distribution a token is drawn from under its request's parameters
-# (`Engine._distributions`), given the request's output so far.
+# (`Speculator.distributions`), given the request's output so far.
 Distributions = Callable[
-    [Tensor, list["Request"], list[list[int]]], tuple[Tensor, Tensor, Tensor, Tensor]
+    [Tensor, list[Request], list[list[int]]], tuple[Tensor, Tensor, Tensor, Tensor]
 ]
 
 

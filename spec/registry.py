@@ -36,6 +36,7 @@ SPEC_MODULES = tuple(
         "append",
         "forward",
         "speculative",
+        "generate",
     )
 )
 

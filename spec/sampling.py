@@ -123,16 +123,44 @@ presence penalties in [-2, 2]; logit bias values in [-100, 100]; max_tokens
 seed in [0, 2^64); stop strings non-empty; top_logprobs in [0, 20]. The
 per-row tensors given to `sample` are checked the same way, naming the row.
 
+[PARAM-TYPE-1] A parameter of the wrong type raises `ParameterTypeError`, a
+`TypeError` that is also a `ValueError` (so code reporting invalid parameters
+by catching `ValueError` reports it too), naming the parameter, the value and
+its type. Real parameters take any `numbers.Real` but bool (int, float, numpy
+floats): not complex, str or None. Integer parameters take any
+`numbers.Integral` but bool: not float, even 2.0. ignore_eos takes a bool;
+stop a str or a sequence of str; stop_token_ids a sequence of integers;
+logit_bias a mapping from integer token ids to reals; logprobs_mode the str
+"raw" or "processed". Numbers are stored as Python int and float.
+
+[PARAM-TENSOR-1] Parameters are validated for the tensors they become
+(float32 and int64), so that none turns into inf, 0, a subnormal or an
+overflow there. Every float parameter is 0 or rounds in float32 to a normal
+number (finite, magnitude >= 2^-126): GPUs may flush subnormals to zero, and a
+temperature or top_p of 1e-46 would become 0 (greedy; top-p keeping nothing).
+temperature > 0 and repetition_penalty, which divide logits, lie in
+[2^-126, 2^126], so that they and their reciprocals are normal float32 numbers
+(CUDA's approximate division, `__fdividef`, returns 0 for divisors above
+2^126). No bound keeps
+z / θ finite for every finite logit z: a penalty that overflows a logit makes
+its row invalid (SAMPLE-VALID-1). The integers top_k, max_tokens, min_tokens
+and token ids become int64 and are at most 2^63 - 1; token ids are >= 0. The
+seed, in [0, 2^64), becomes the int64 holding its bit pattern.
+
 [PARAM-REQUEST-1] Against a model: token ids in the prompt, in logit_bias and
 in stop_token_ids must be inside the vocabulary; the prompt must hold at least
 one token and leave room for one generated token; prompt + max_tokens must fit
-the model's context.
+the model's context, and so must prompt + min_tokens. Prompt token ids are
+integers (not bool, float or str; a tensor of an integer dtype, 1-D), checked
+by `check_token_ids`, which an engine uses to turn them into Python ints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -148,9 +176,66 @@ MAX_TOP_LOGPROBS = 20
 # ---------------------------------------------------------------------------
 # Parameters
 
+FLOAT32_TINY = 2.0**-126  # the smallest normal float32
+SCALE_MAX = 2.0**126  # the largest divisor whose float32 reciprocal is normal
+INT64_MAX = 2**63 - 1
+
+
+class ParameterTypeError(TypeError, ValueError):
+    """A parameter of the wrong type (PARAM-TYPE-1).
+
+    A `TypeError`, and a `ValueError` too, so that code reporting invalid
+    parameters by catching `ValueError` (the CLI, an engine failing one
+    request) reports this one as well.
+    """
+
+
+def _show(value: object) -> str:
+    """The value for an error message: its repr, kept short."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"{'-' if value < 0 else ''}<an integer of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}...{text[-12:]}"
+
+
+def _kind(value: object) -> str:
+    """The type's name for an error message (module-qualified unless builtin)."""
+    kind = type(value)
+    module = kind.__module__.split(".")[0]
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+def _scalar(value: object) -> object:
+    """A 0-d tensor of a real dtype as a Python number; anything else as is."""
+    if (
+        isinstance(value, Tensor)
+        and value.dim() == 0
+        and value.dtype != torch.bool
+        and not value.dtype.is_complex
+    ):
+        return value.item()
+    return value
+
+
+def _check_real(name: str, value: object) -> float:
+    """`value` as a float, or ParameterTypeError unless it is a real number (not bool)."""
+    number = _scalar(value)
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
+        raise ParameterTypeError(
+            f"{name} must be a real number, got {_show(value)} ({_kind(value)})"
+        )
+    try:
+        return float(number)
+    except OverflowError:  # an int beyond float64: the largest float, as far out as that
+        return sys.float_info.max if number > 0 else -sys.float_info.max  # type: ignore[operator]
+
 
 def _interval(low: float, high: float, low_open: bool, high_open: bool) -> str:
     return f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def _inside(x: float, low: float, high: float, low_open: bool, high_open: bool) -> bool:
+    return (x > low if low_open else x >= low) and (x < high if high_open else x <= high)
 
 
 def check_range(
@@ -165,7 +250,15 @@ def check_range(
     """Raise ValueError naming `name` (and the row) if a value is outside the interval.
 
     NaN is outside every interval; so is ±inf unless an open end is infinite.
+    A scalar that is not a real number raises `ParameterTypeError`.
     """
+    if not isinstance(values, Tensor):
+        if not _inside(_check_real(name, values), low, high, low_open, high_open):
+            raise ValueError(
+                f"{name} must be in {_interval(low, high, low_open, high_open)}, "
+                f"got {_show(values)}"
+            )
+        return
     v = torch.as_tensor(values, dtype=torch.float64).cpu()
     ok = (v > low if low_open else v >= low) & (v < high if high_open else v <= high)
     if bool(ok.all()):
@@ -173,27 +266,156 @@ def check_range(
     bad = (~ok).nonzero()[0].tolist()
     where = "" if v.dim() == 0 else "[" + ", ".join(map(str, bad)) + "]"
     # The offending value as given (an int stays an int in the message).
-    value = values if not isinstance(values, Tensor) else values.cpu()[tuple(bad)].item()
+    value = values.cpu()[tuple(bad)].item()
     raise ValueError(
         f"{name}{where} must be in {_interval(low, high, low_open, high_open)}, got {value!r}"
     )
 
 
-def _check_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+def _check_int(name: str, value: object) -> int:
+    """`value` as an int, or ParameterTypeError unless it is an integer (not bool)."""
+    number = _scalar(value)
+    if type(number) is int:
+        return number
+    if isinstance(number, bool) or not isinstance(number, numbers.Integral):
+        raise ParameterTypeError(f"{name} must be an integer, got {_show(value)} ({_kind(value)})")
+    return int(number)
+
+
+def _check_int64(name: str, value: int) -> None:
+    if value > INT64_MAX:
+        raise ValueError(
+            f"{name} must be at most 2**63 - 1 = {INT64_MAX} (it becomes an int64), "
+            f"got {_show(value)}"
+        )
+
+
+def _float32(x: float) -> float:
+    """x rounded to float32, as `sampling_tensors` stores it."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _check_float32(
+    name: str, value: object, x: float, *, divisor: bool = False, zero: bool = True
+) -> float:
+    """Check that x (a finite, in-range `value`) survives float32 (PARAM-TENSOR-1).
+
+    x must be 0 or round to a normal float32; a divisor must round into
+    [2^-126, 2^126], so that its reciprocal is normal too. Returns x, with -0.0 as 0.0.
+    """
+    if x == 0:
+        return 0.0
+    f = abs(_float32(x))
+    if f == 0:
+        what = "underflows to 0 in float32"
+    elif f < FLOAT32_TINY:
+        what = "is a float32 subnormal, which GPUs may flush to 0"
+    elif math.isinf(f):
+        what = "overflows to inf in float32"
+    elif divisor and f > SCALE_MAX:
+        what = "is too large (its float32 reciprocal is subnormal)"
+    else:
+        return x
+    if divisor:
+        rule = "in [2**-126, 2**126] (1.1754944e-38 to 8.507059e+37), as it divides logits"
+    else:
+        rule = "at least 2**-126 = 1.1754944e-38 in magnitude (a normal float32)"
+    hint = "; use 0 for greedy" if name == "temperature" and f < FLOAT32_TINY else ""
+    rule = f"0 or {rule}" if zero else rule
+    raise ValueError(f"{name} {_show(value)} {what}: it must be {rule}{hint}")
+
+
+def _check_float(
+    name: str,
+    value: object,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    divisor: bool = False,
+) -> float:
+    """A real parameter: its type, its range, then its float32 rounding."""
+    x = _check_real(name, value)
+    if not _inside(x, low, high, low_open, high_open):
+        raise ValueError(
+            f"{name} must be in {_interval(low, high, low_open, high_open)}, got {_show(value)}"
+        )
+    zero = _inside(0.0, low, high, low_open, high_open)
+    return _check_float32(name, value, x, divisor=divisor, zero=zero)
+
+
+def _int_list(name: str, ids: object) -> list[int]:
+    """Integer entries of a sequence (or 1-D integer tensor) as a list of Python ints."""
+    if isinstance(ids, Tensor):
+        if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise ParameterTypeError(
+                f"{name} must hold integer token ids, got a tensor of dtype {ids.dtype}"
+            )
+        if ids.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got a tensor of shape {list(ids.shape)}")
+        return ids.tolist()
+    if isinstance(ids, (str, bytes, bytearray, Mapping)) or not isinstance(ids, Iterable):
+        raise ParameterTypeError(
+            f"{name} must be a sequence of integer token ids, got {_show(ids)} ({_kind(ids)})"
+        )
+    return [t if type(t) is int else _check_int(f"{name}[{i}]", t) for i, t in enumerate(ids)]
+
+
+def check_token_ids(name: str, ids: Sequence[int] | Tensor, vocab_size: int) -> list[int]:
+    """Validate token ids and return them as a list of Python ints (PARAM-REQUEST-1).
+
+    Each id must be an integer (not a bool, float or str; numpy integers and
+    integer tensors are accepted) inside the vocabulary [0, vocab_size).
+
+    Raises:
+        ParameterTypeError: an entry (named by its index) is not an integer,
+            or `ids` is not a sequence or is a tensor of a non-integer dtype.
+        ValueError: a tensor that is not 1-D, or ids outside the vocabulary.
+
+    Example:
+        >>> check_token_ids("prompt_token_ids", torch.tensor([3, 1]), vocab_size=8)
+        [3, 1]
+        >>> check_token_ids("ids", [3, 1.0], vocab_size=8)
+        Traceback (most recent call last):
+        ...
+        decodespec.spec.sampling.ParameterTypeError: ids[1] must be an integer, got 1.0 (float)
+    """
+    out = _int_list(name, ids)
+    bad = [i for i, t in enumerate(out) if not 0 <= t < vocab_size]
+    if bad:
+        shown = ", ".join(_show(out[i]) for i in bad[:8]) + (", ..." if len(bad) > 8 else "")
+        raise ValueError(
+            f"{name} holds ids outside the vocabulary [0, {vocab_size}): [{shown}] "
+            f"(the first at index {bad[0]})"
+        )
+    return out
+
+
+def _check_token_id(name: str, value: object) -> int:
+    token_id = _check_int(name, value)
+    if token_id < 0:
+        raise ValueError(f"{name} must be a token id >= 0, got {_show(value)}")
+    _check_int64(name, token_id)
+    return token_id
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops (PARAM-RANGE-1).
 
-    Construction validates every field and raises ValueError naming it.
+    Construction validates every field: a wrong type raises
+    `ParameterTypeError` (PARAM-TYPE-1), a bad value `ValueError`
+    (PARAM-RANGE-1, PARAM-TENSOR-1), naming the field and the value.
     Vocabulary- and model-dependent checks are in `validate_request`.
 
     Example:
         >>> SamplingParams(temperature=0.7, top_p=0.9, seed=1234, stop=["\\n\\n"]).stop
         ('\\n\\n',)
+        >>> SamplingParams(temperature=1e-46)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: temperature 1e-46 underflows to 0 in float32: it must be 0 or ...
     """
 
     temperature: float = 1.0
@@ -214,55 +436,100 @@ class SamplingParams:
     logprobs_mode: Literal["raw", "processed"] = "raw"
 
     def __post_init__(self) -> None:
-        # Normalise containers so the frozen object is really immutable.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        # Every field is checked and stored normalised (Python numbers, tuples, a
+        # dict), so the frozen object is really immutable.
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
 
-        check_range("temperature", self.temperature, 0, math.inf, high_open=True)
-        _check_int("top_k", self.top_k)
-        check_range("top_k", self.top_k, 0, math.inf, high_open=True)
-        check_range("top_p", self.top_p, 0, 1, low_open=True)
-        check_range("min_p", self.min_p, 0, 1)
-        check_range(
-            "repetition_penalty",
-            self.repetition_penalty,
-            0,
-            math.inf,
-            low_open=True,
-            high_open=True,
+        inf = math.inf
+        temperature = _check_float(
+            "temperature", self.temperature, 0, inf, high_open=True, divisor=True
         )
-        check_range("frequency_penalty", self.frequency_penalty, -2, 2)
-        check_range("presence_penalty", self.presence_penalty, -2, 2)
-        for token_id, bias in self.logit_bias.items():
-            _check_int("logit_bias key", token_id)
-            check_range(f"logit_bias[{token_id}]", bias, -100, 100)
+        put("temperature", temperature)
+        top_k = _check_int("top_k", self.top_k)
+        _check_int64("top_k", top_k)
+        check_range("top_k", top_k, 0, inf, high_open=True)
+        put("top_k", top_k)
+        put("top_p", _check_float("top_p", self.top_p, 0, 1, low_open=True))
+        put("min_p", _check_float("min_p", self.min_p, 0, 1))
+        put(
+            "repetition_penalty",
+            _check_float(
+                "repetition_penalty",
+                self.repetition_penalty,
+                0,
+                inf,
+                low_open=True,
+                high_open=True,
+                divisor=True,
+            ),
+        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            put(name, _check_float(name, getattr(self, name), -2, 2))
+
+        if not isinstance(self.logit_bias, Mapping):
+            raise ParameterTypeError(
+                "logit_bias must be a mapping from token ids to biases, got "
+                f"{_show(self.logit_bias)} ({_kind(self.logit_bias)})"
+            )
+        logit_bias = {}
+        for key, bias in self.logit_bias.items():
+            token_id = _check_token_id("logit_bias key", key)
+            logit_bias[token_id] = _check_float(f"logit_bias[{token_id}]", bias, -100, 100)
+        put("logit_bias", logit_bias)
+
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens)
-            check_range("max_tokens", self.max_tokens, 1, math.inf, high_open=True)
-        _check_int("min_tokens", self.min_tokens)
-        high = math.inf if self.max_tokens is None else self.max_tokens
-        if not 0 <= self.min_tokens <= high:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
+            max_tokens = _check_int("max_tokens", self.max_tokens)
+            _check_int64("max_tokens", max_tokens)
+            check_range("max_tokens", max_tokens, 1, inf, high_open=True)
+            put("max_tokens", max_tokens)
+        min_tokens = _check_int("min_tokens", self.min_tokens)
+        if self.max_tokens is None:
+            high, bound = INT64_MAX, "2**63 - 1 (an int64)"
+        else:
+            high, bound = self.max_tokens, f"max_tokens={self.max_tokens}"
+        if not 0 <= min_tokens <= high:
+            raise ValueError(f"min_tokens must be in [0, {bound}], got {_show(self.min_tokens)}")
+        put("min_tokens", min_tokens)
         if self.seed is not None:
-            _check_int("seed", self.seed)
-            if not 0 <= self.seed < 2**64:
-                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids entry", token_id)
-        if self.top_logprobs is not None:
-            _check_int("top_logprobs", self.top_logprobs)
-            check_range("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
-        if self.logprobs_mode not in ("raw", "processed"):
-            raise ValueError(
-                f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}"
+            seed = _check_int("seed", self.seed)
+            if not 0 <= seed < 2**64:
+                raise ValueError(f"seed must be in [0, 2**64), got {_show(self.seed)}")
+            put("seed", seed)
+
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (bytes, bytearray, Mapping)) or not isinstance(stop, Iterable):
+            raise ParameterTypeError(
+                f"stop must be a str or a sequence of str, got {_show(stop)} ({_kind(stop)})"
             )
+        stop = tuple(stop)
+        for i, s in enumerate(stop):
+            if not isinstance(s, str):
+                raise ParameterTypeError(f"stop[{i}] must be a str, got {_show(s)} ({_kind(s)})")
+            if not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r} (stop[{i}])")
+        put("stop", tuple(str(s) for s in stop))
+        stop_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        for i, token_id in enumerate(stop_ids):
+            _check_token_id(f"stop_token_ids[{i}]", token_id)
+        put("stop_token_ids", tuple(stop_ids))
+        if not isinstance(self.ignore_eos, bool):
+            eos = self.ignore_eos
+            raise ParameterTypeError(f"ignore_eos must be a bool, got {_show(eos)} ({_kind(eos)})")
+        if self.top_logprobs is not None:
+            top_logprobs = _check_int("top_logprobs", self.top_logprobs)
+            check_range("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
+            put("top_logprobs", top_logprobs)
+        mode = self.logprobs_mode
+        if not isinstance(mode, str):
+            raise ParameterTypeError(
+                f"logprobs_mode must be 'raw' or 'processed', got {_show(mode)} ({_kind(mode)})"
+            )
+        if mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {mode!r}")
+        put("logprobs_mode", str(mode))
 
     def stop_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         """Stop token ids: EOS ids (unless ignore_eos) ∪ the user's stop_token_ids."""
@@ -272,22 +539,25 @@ class SamplingParams:
 
 def validate_request(
     params: SamplingParams,
-    prompt_token_ids: Sequence[int],
+    prompt_token_ids: Sequence[int] | Tensor,
     *,
     vocab_size: int,
     max_context: int,
 ) -> None:
-    """Check a request against a model (PARAM-REQUEST-1); raise ValueError naming the field."""
+    """Check a request against a model (PARAM-REQUEST-1); raise ValueError naming the field.
 
-    def in_vocab(name: str, ids: Iterable[int]) -> None:
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab_size}): {bad}")
-
-    in_vocab("prompt_token_ids", prompt_token_ids)
-    in_vocab("logit_bias", params.logit_bias)
-    in_vocab("stop_token_ids", params.stop_token_ids)
-    n = len(prompt_token_ids)
+    A prompt whose ids are not integers raises `ParameterTypeError` (see
+    `check_token_ids`).
+    """
+    if not isinstance(params, SamplingParams):
+        raise ParameterTypeError(f"params must be a SamplingParams, got {_kind(params)}")
+    n = len(check_token_ids("prompt_token_ids", prompt_token_ids, vocab_size))
+    outside = [i for i in params.logit_bias if not 0 <= i < vocab_size]
+    if outside:
+        raise ValueError(
+            f"logit_bias holds ids outside the vocabulary [0, {vocab_size}): {outside[:8]}"
+        )
+    check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     if n == 0:
         raise ValueError("prompt_token_ids must hold at least one token")
     if n >= max_context:
@@ -299,6 +569,11 @@ def validate_request(
         raise ValueError(
             f"max_tokens={params.max_tokens} with a {n}-token prompt exceeds the model's "
             f"context of {max_context} (at most {max_context - n}, or None to fill it)"
+        )
+    if n + params.min_tokens > max_context:
+        raise ValueError(
+            f"min_tokens={params.min_tokens} with a {n}-token prompt can never be reached "
+            f"within the model's context of {max_context} (at most {max_context - n})"
         )
 
 
@@ -627,13 +902,15 @@ _RANGES = {  # name: (low, high, low_open, high_open); PARAM-RANGE-1
 def _filter(z: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
     """Steps 5-8 on processed logits: scale, then top-k, top-p, min-p (SAMPLE-ORDER-1)."""
     z = apply_temperature(z, temperature)
+    # Greedy rows skip the filters (SAMPLE-GREEDY-1): their processed logits stay whole.
+    sampled = (temperature > 0).to(z.device)[:, None]
     for mask, param, off in (
         (top_k_mask, top_k, 0),
         (top_p_mask, top_p, 1),
         (min_p_mask, min_p, 0),
     ):
         if bool((param != off).any()):  # a filter no row uses costs nothing (no sort)
-            z = z.masked_fill(~mask(z, param), -math.inf)
+            z = z.masked_fill(~mask(z, param) & sampled, -math.inf)
     return z
 
 

@@ -52,6 +52,7 @@ class Stage:
 
 
 STAGES = (
+    Stage("generate", "The loop", "decodespec.spec.generate"),
     Stage("forward", "Forward pass", "decodespec.spec.forward"),
     Stage("attention", "Attention", "decodespec.spec.attention"),
     Stage("logits", "Logits", "decodespec.spec.logits"),

@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 
 from decodespec.reference.cli import prompt_ids
-from decodespec.reference.engine import Engine, RequestOutput
+from decodespec.reference.engine import Engine
+from decodespec.reference.request import RequestOutput
 from decodespec.spec.forward import ModelWeights
 from decodespec.spec.sampling import SamplingParams
 from tests.benchmarks.gpu import write_json

@@ -17,6 +17,7 @@ from decodespec.spec import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = {
+    "generate": "decodespec.spec.generate",
     "forward": "decodespec.spec.forward",
     "attention": "decodespec.spec.attention",
     "logits": "decodespec.spec.logits",

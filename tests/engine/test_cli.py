@@ -27,7 +27,7 @@ import torch
 
 from decodespec import kernels
 from decodespec.reference import cli
-from decodespec.reference import engine as engine_module
+from decodespec.reference import runner as runner_module
 from decodespec.reference.engine import Engine
 from decodespec.reference.loader import load_model
 from decodespec.reference.model_files import bundled_model_path
@@ -339,10 +339,10 @@ def test_naive_mode_gives_the_same_tokens(model, greedy, monkeypatch):
         return wrapper
 
     monkeypatch.setattr(
-        engine_module, "forward_naive", counted("naive", engine_module.forward_naive)
+        runner_module, "forward_naive", counted("naive", runner_module.forward_naive)
     )
     monkeypatch.setattr(
-        engine_module, "forward_cached", counted("cached", engine_module.forward_cached)
+        runner_module, "forward_cached", counted("cached", runner_module.forward_cached)
     )
     naive = run_cli(
         model,

@@ -25,7 +25,9 @@ from scipy import stats
 
 from decodespec.reference.cache import PagedKVCache
 from decodespec.reference.drafters import Draft
-from decodespec.reference.engine import MAX_DRAFT_PAUSE, Engine, Request
+from decodespec.reference.engine import Engine
+from decodespec.reference.request import Request
+from decodespec.reference.speculation import MAX_DRAFT_PAUSE
 from decodespec.spec.forward import forward_naive
 from decodespec.spec.sampling import SamplingParams, process_logits, sampling_tensors
 from decodespec.spec.softmax import softmax
@@ -53,10 +55,10 @@ def check_blocks(engine: Engine) -> None:
     """Every block is free or owned by exactly one running request, and no more than
     its emitted sequence needs."""
     assert engine.cache is not None
-    owned = [b for r in engine.running for b in r.blocks]
+    owned = [b for r in engine.scheduler.running for b in r.blocks]
     assert len(owned) == len(set(owned))
     assert engine.cache.allocator.num_free + len(owned) == engine.cache.allocator.num_blocks
-    for r in engine.running:
+    for r in engine.scheduler.running:
         length = len(r.prompt_ids) + len(r.output_ids)
         assert len(r.blocks) <= engine.cache.blocks_for(length)
 
@@ -193,7 +195,7 @@ def test_failing_drafts_pause_drafting_with_doubling_pauses():
             return drafts
 
     engine = Engine(weights, tokenizer, speculate="ngram")
-    engine.drafter = Scripted()
+    engine.speculator.drafter = Scripted()
     request_id = engine.add_request(list(b"go"), params)
     request = engine.requests[request_id]
     drafted_at = []
@@ -205,7 +207,7 @@ def test_failing_drafts_pause_drafting_with_doubling_pauses():
     # Passes at steps 0, 2, 5, 10, 19, 36: pauses of 1, 2, 4, 8, 16 steps between them.
     assert drafted_at == [0, 2, 5, 10, 19, 36]
     assert request.draft_pause == MAX_DRAFT_PAUSE - 3
-    engine.drafter.right = True
+    engine.speculator.drafter.right = True
     request.draft_pause = 0
     drain(engine)
     assert request.draft_backoff < MAX_DRAFT_PAUSE  # accepted drafts shrink the pause

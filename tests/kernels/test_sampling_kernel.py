@@ -66,6 +66,22 @@ def test_processed_logits_over_several_chunks_equal_the_spec(vocab):
     assert torch.equal(ours[torch.isfinite(ref)], ref[torch.isfinite(ref)])
 
 
+@pytest.mark.clause("SAMPLE-GREEDY-1")
+@pytest.mark.parametrize("process_logits", [spec.process_logits, kernels.process_logits])
+def test_processed_logits_of_greedy_rows_skip_the_filters(process_logits):
+    """Greedy rows come back processed and shifted, never filtered (the engine's
+    "processed" logprobs of a greedy request with top-k, top-p or min-p set)."""
+    x = peaked_logits(3, 300, torch.float32, seed=11)
+    args = {
+        "temperature": torch.zeros(3, device=DEVICE),
+        "top_k": torch.tensor([5, 0, 0], device=DEVICE),
+        "top_p": torch.tensor([1.0, 0.5, 1.0], device=DEVICE),
+        "min_p": torch.tensor([0.0, 0.0, 0.05], device=DEVICE),
+    }
+    out = process_logits(x, **args)
+    assert torch.equal(out, x - x.amax(dim=-1, keepdim=True))
+
+
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_logprobs_over_several_chunks_match_the_spec(vocab):
     x = peaked_logits(4, vocab, torch.float32, seed=vocab + 2)

@@ -1,0 +1,93 @@
+"""Backends: the stage functions the engine calls, spec or kernels.
+
+The spec and the kernels provide the same operations with the same
+signatures (ARCHITECTURE.md, "The stage contract"), so the engine's code is
+one for both; a backend is the table of functions it calls.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from decodespec.spec import append, attention, sampling, speculative
+from decodespec.spec.sampling import InvalidLogitsError
+
+STAGE_OPERATIONS = (
+    "paged_attention",
+    "append_kv",
+    "sample",
+    "process_logits",
+    "compute_logprobs",
+    "verify_drafts",
+)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The stage functions the engine calls (spec and kernels share their signatures).
+
+    `kernel_ops` names the stages that run as Triton kernels; the others run
+    the spec's PyTorch. `invalid_logits_error` is the class `sample` raises
+    for invalid rows (SAMPLE-VALID-2: each implementation has its own).
+    """
+
+    name: str
+    paged_attention: Callable[..., Tensor]
+    append_kv: Callable[..., None]
+    sample: Callable[..., Tensor]
+    process_logits: Callable[..., Tensor]
+    compute_logprobs: Callable[..., sampling.Logprobs]
+    verify_drafts: Callable[..., speculative.Verification]
+    invalid_logits_error: type[ValueError] = InvalidLogitsError
+    kernel_ops: tuple[str, ...] = ()
+
+
+SPEC_BACKEND = Backend(
+    "spec",
+    attention.paged_attention,
+    append.append_kv,
+    sampling.sample,
+    sampling.process_logits,
+    sampling.compute_logprobs,
+    speculative.verify_drafts,
+)
+
+
+def get_backend(name: str) -> Backend:
+    """`spec` (plain PyTorch) or `triton` (the kernels; the interpreter without a GPU).
+
+    The triton backend takes every stage `kernels` provides and the spec's
+    function for any it lacks (a partial vendored copy, say): they share the
+    signatures. Without a CUDA device it selects the Triton interpreter,
+    which has to happen before `kernels` is first imported.
+    """
+    if name == "spec":
+        return SPEC_BACKEND
+    if name != "triton":
+        raise ValueError(f"unknown backend {name!r}: choose 'spec' or 'triton'")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    kernels = importlib.import_module("decodespec.kernels")
+    provided = tuple(op for op in STAGE_OPERATIONS if hasattr(kernels, op))
+    functions = {
+        op: getattr(kernels if op in provided else SPEC_BACKEND, op) for op in STAGE_OPERATIONS
+    }
+    error = kernels.InvalidLogitsError if "sample" in provided else InvalidLogitsError
+    return Backend("triton", **functions, invalid_logits_error=error, kernel_ops=provided)
+
+
+def check_backend_device(backend: Backend, device: torch.device) -> None:
+    """Raise ValueError unless the backend's kernels can run on tensors on `device`."""
+    if not backend.kernel_ops or device.type != "cpu":
+        return
+    if not importlib.import_module("decodespec.kernels.checks").INTERPRET:
+        raise ValueError(
+            "the triton backend needs the model on a GPU (device 'cuda'), or the Triton "
+            "interpreter (TRITON_INTERPRET=1) for a model on the CPU"
+        )

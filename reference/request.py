@@ -1,0 +1,121 @@
+"""What the engine keeps per request and what it hands back: requests, events, outputs."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from decodespec.spec.generate import TokenLogprobs
+from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.stop import StopChecker
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one step produced for one request.
+
+    `token_id` is None only for an error event. `text` is the text newly safe
+    to show (streaming hold-back, STOP-STREAM-1). `candidates` (the engine's
+    `show_probs`) lists the top tokens of the distribution the token was drawn
+    from, after the filters, with their probabilities.
+    """
+
+    request_id: int
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None  # "stop", "length" or "error"
+    logprobs: TokenLogprobs | None = None
+    candidates: list[tuple[int, float]] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """A request in flight: its prompt, parameters, cache blocks, output and timings."""
+
+    id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: StopChecker
+    arrival: float
+    blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0  # positions whose K/V are in the cache
+    draft_cached: int = 0  # positions a second-model drafter has cached
+    target_passes: int = 0  # forward passes of the target that gave this request tokens
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    draft_pause: int = 0  # steps left without drafts (`Speculator.record`)
+    draft_backoff: int = 0  # the pause after the next pass that accepts no draft
+    preemptions: int = 0  # times the scheduler took its blocks back (recomputed later)
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "error" or "abort"
+    error: str | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.stop.token_ids
+
+    @property
+    def length(self) -> int:
+        """Prompt and output tokens so far."""
+        return len(self.prompt_ids) + len(self.stop.token_ids)
+
+    def new_tokens(self) -> list[int]:
+        """Tokens the next pass runs through the model: what the cache lacks of
+        prompt + output (the prompt at first, then the last token; everything
+        again after a preemption)."""
+        return (self.prompt_ids + self.output_ids)[self.num_cached :]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished (or running) request, summarised (the CLI's `--json` object)."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    seed: int | None
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    prompt_tokens_per_s: float | None
+    tokens_per_s: float | None
+    inter_token_latencies_s: list[float]
+    logprobs: list[TokenLogprobs] | None
+    error: str | None = None
+    # Speculative decoding: drafts proposed and accepted, their ratio, and tokens
+    # generated per forward pass of the target (1 without speculation).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float | None = None
+    tokens_per_target_pass: float | None = None
+    preemptions: int = 0
+
+    @classmethod
+    def of(cls, r: Request) -> RequestOutput:
+        times = r.token_times
+        ttft = times[0] - r.arrival if times else None
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        return cls(
+            request_id=r.id,
+            text=r.stop.text,
+            token_ids=r.output_ids,
+            finish_reason=r.finish_reason,
+            seed=r.params.seed,
+            prompt_tokens=len(r.prompt_ids),
+            completion_tokens=len(r.output_ids),
+            ttft_s=ttft,
+            prompt_tokens_per_s=len(r.prompt_ids) / ttft if ttft else None,
+            # Decode speed: tokens after the first, over the time they took.
+            tokens_per_s=len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else None,
+            inter_token_latencies_s=gaps,
+            logprobs=r.logprobs if r.params.top_logprobs is not None else None,
+            error=r.error,
+            draft_tokens=r.drafted,
+            accepted_tokens=r.accepted,
+            acceptance_rate=r.accepted / r.drafted if r.drafted else None,
+            tokens_per_target_pass=len(r.output_ids) / r.target_passes if r.target_passes else None,
+            preemptions=r.preemptions,
+        )

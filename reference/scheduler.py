@@ -1,0 +1,144 @@
+"""The scheduler: which requests run in the next pass, and the cache blocks they own.
+
+Each step, running requests grow first (oldest first) so that their new
+tokens have cache slots; when the pool runs dry, the most recently admitted
+request is preempted: its blocks go back and it waits, first in line, to be
+recomputed (its prompt and output so far prefilled again, as vLLM does). A
+running request is never failed for lack of cache. Waiting requests are
+admitted only after that, first come first served, while blocks last, and
+not in a step that had to preempt. A request that could never fit alone
+(prompt + max_tokens beyond the cache) is refused when it is added.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .cache import CacheFullError, PagedKVCache
+from .request import Request
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The request state a pass changes before its tokens are kept, to undo a failed pass."""
+
+    num_cached: int
+    draft_cached: int
+    num_blocks: int
+    draft_pause: int
+    draft_backoff: int
+
+
+class Scheduler:
+    """Admission, growth, preemption, abort and finishing; `cache` None: no blocks (naive)."""
+
+    def __init__(self, cache: PagedKVCache | None, max_context: int) -> None:
+        self.cache = cache
+        self.max_context = max_context
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+
+    def add(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never fit the cache on its own."""
+        if self.cache is not None:
+            max_tokens = request.params.max_tokens
+            if max_tokens is None:
+                max_tokens = self.max_context - len(request.prompt_ids)
+            # The last token is never run through the model: it needs no slot.
+            positions = len(request.prompt_ids) + max_tokens - 1
+            needed = self.cache.blocks_for(positions)
+            total = self.cache.allocator.num_blocks
+            if needed > total:
+                limit = "max_tokens" if request.params.max_tokens is not None else "the context"
+                raise ValueError(
+                    f"a {len(request.prompt_ids)}-token prompt with up to {max_tokens} new "
+                    f"tokens ({limit}) needs {needed} cache blocks of "
+                    f"{self.cache.block_size} positions; the cache has {total}: lower "
+                    "max_tokens or raise cache_tokens"
+                )
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Request]:
+        """The requests of the next pass, each with cache blocks for its new tokens."""
+        preempted = False
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted to make room for an older one
+            while not self.grow(request, request.length):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+        while self.waiting and not preempted:
+            request = self.waiting[0]
+            if not self.grow(request, request.length):
+                break  # it fits once running requests finish
+            self.running.append(self.waiting.popleft())
+        return list(self.running)
+
+    def grow(self, request: Request, positions: int) -> bool:
+        """Give the request blocks for `positions` positions; False (taking none) if
+        the pool has too few free."""
+        if self.cache is None:
+            return True
+        needed = self.cache.blocks_for(positions) - len(request.blocks)
+        try:
+            request.blocks += self.cache.allocator.allocate(max(0, needed))
+        except CacheFullError:
+            return False
+        return True
+
+    def shrink(self, request: Request, positions: int) -> None:
+        """Give back the request's blocks past its first `positions` positions."""
+        if self.cache is None:
+            return
+        keep = self.cache.blocks_for(positions)
+        if len(request.blocks) > keep:
+            self.cache.allocator.free(request.blocks[keep:])
+            del request.blocks[keep:]
+
+    def roll_back(self, request: Request) -> None:
+        """Forget rejected drafts: the cache keeps the emitted sequence's positions
+        only (its last token runs next step), and blocks past them go back."""
+        request.num_cached = min(request.num_cached, request.length - 1)
+        request.draft_cached = min(request.draft_cached, request.num_cached)
+        self.shrink(request, request.length)
+
+    @staticmethod
+    def save(request: Request) -> Saved:
+        r = request
+        return Saved(r.num_cached, r.draft_cached, len(r.blocks), r.draft_pause, r.draft_backoff)
+
+    def restore(self, request: Request, saved: Saved) -> None:
+        """Undo a failed pass: the request's cache positions, drafting state and blocks."""
+        request.num_cached, request.draft_cached = saved.num_cached, saved.draft_cached
+        request.draft_pause, request.draft_backoff = saved.draft_pause, saved.draft_backoff
+        if self.cache is not None:
+            self.shrink(request, saved.num_blocks * self.cache.block_size)
+
+    def preempt(self, request: Request) -> None:
+        """Take the request's blocks back; it waits first in line and is recomputed."""
+        self.running.remove(request)
+        self._release(request)
+        request.num_cached = request.draft_cached = 0
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a running or waiting request; its blocks go back at once."""
+        request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        if self.cache is not None and request.blocks:
+            self.cache.allocator.free(request.blocks)
+        request.blocks = []

@@ -1,0 +1,262 @@
+"""The loop: one request's generation, from its prompt to its finish reason.
+
+`prefill` runs the prompt into the request's paged KV cache,
+`decode_one_token` runs one token through it, and `generate` chooses each
+token, computes its logprobs and hands it to the stop checker, streaming a
+`StepOutput` per token. Every engine configuration (batched, preempted,
+speculative, either backend) must reproduce this loop, run on the request
+alone, token for token.
+
+[LOOP-REQUEST-1] The request is checked against the model first
+(`validate_request`, PARAM-REQUEST-1), and a request with temperature > 0
+must carry its seed: the loop raises ValueError rather than draw one
+(`resolve_seed` is the caller's, SAMPLE-SEED-1). `generate` is a generator,
+so these errors are raised when iteration starts, before the model runs.
+
+[LOOP-CACHE-1] The loop owns the request's cache: per layer a K and a V
+tensor `[num_blocks, block_size, num_kv_heads, head_dim]` in the weights'
+dtype for prompt + max_tokens positions (the model's context when max_tokens
+is None), the request's block j in cache block j (so position p is flat slot
+p). Every slot is NaN until written: a step reading a slot not yet written
+would get NaN logits.
+
+[LOOP-PREFILL-1] The prompt's n tokens run through the model in one
+`forward_cached` call at positions 0 … n − 1, appending their K/V to the
+cache; the logits after the last prompt token are the first step's logits.
+
+[LOOP-DECODE-1] Every later step t (counting from 0) runs exactly one token,
+the one step t − 1 emitted, at position n + t − 1 through the cache; the
+logits after it are step t's logits (by FWD-CACHE-1, `forward_naive`'s on
+the prompt and the first t output tokens).
+
+[LOOP-SAMPLE-1] The token of step t is `sample(logits[None], **tensors)[0]`
+with `tensors = sampling_tensors([params], vocab_size=V,
+prompt_token_ids=[prompt], output_token_ids=[output[:t]],
+eos_token_ids=eos, device=logits.device)`: the step's raw logits as a batch
+of one row, step counter t (the number of tokens generated so far: the
+random-number counter of SAMPLE-RNG-2 and the min_tokens clock), penalties
+that see the prompt and the output so far. A `sample` passed to `generate`
+is called exactly so, once per step.
+
+[LOOP-LOGPROB-1] When `params.top_logprobs` is not None, a step's
+`TokenLogprobs` are `compute_logprobs(L, [token], top_logprobs)`, with L the
+step's raw logits (mode "raw", LOGPROB-RAW-1) or `process_logits` of them
+with the step's sampling tensors less the seed (mode "processed"): the
+token's logprob and rank and the (token id, logprob) pairs of the top list.
+Otherwise they are None.
+
+[LOOP-STOP-1] Each chosen token is appended to the request's `StopChecker`
+(prompt length n, the model's context) at once, and the step streams
+`StepOutput(token, delta.text, delta.finish_reason, logprobs)`. The loop
+ends with the first step that has a finish reason: every chosen token is
+streamed, the last carries "stop" or "length", no step runs after it, and
+the streamed texts join into the output text.
+
+[LOOP-VALID-1] Invalid logits at a step (SAMPLE-VALID-1: NaN, +inf or all
+−inf after the processors) make `sample` raise `InvalidLogitsError`; the
+loop raises it on, after the steps already streamed and with no
+`StepOutput` for the failed one. The spec's loop has no "error" finish
+reason: an engine, which must not raise for one request, maps the error to
+a last event with finish reason "error" for that request alone.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import sampling
+from .append import append_kv
+from .attention import paged_attention
+from .forward import ModelWeights, PagedBatch, forward_cached
+from .sampling import SamplingParams
+from .stop import FinishReason, StopChecker
+
+KVCache = list[tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob, rank and top alternatives of one generated token (LOOP-LOGPROB-1)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One step's token, the text newly safe to show (STOP-STREAM-1), "stop" or
+    "length" on the last step (None before), and its logprobs (LOOP-STOP-1)."""
+
+    token_id: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: TokenLogprobs | None
+
+
+def request_batch(kv_cache: KVCache, start: int, count: int) -> PagedBatch:
+    """Where `count` new tokens at positions start, start + 1, … go (LOOP-CACHE-1).
+
+    The block table is 0 … num_blocks − 1, so position p goes to slot p;
+    the last token is projected to logits.
+    """
+    num_blocks, block_size = kv_cache[0][0].shape[:2]
+    end = start + count
+    if not 0 <= start < end <= num_blocks * block_size:
+        raise ValueError(f"positions {start}..{end - 1} do not fit {num_blocks * block_size} slots")
+    device = kv_cache[0][0].device
+    positions = torch.arange(start, end, device=device)
+    return PagedBatch(
+        positions=positions,
+        query_start=torch.tensor([0, count], device=device),
+        seq_lens=torch.tensor([end], device=device),
+        block_table=torch.arange(num_blocks, device=device)[None],
+        slot_mapping=positions,
+        logits_indices=torch.tensor([count - 1], device=device),
+    )
+
+
+@torch.no_grad()
+def prefill(
+    weights: ModelWeights,
+    kv_cache: KVCache,
+    prompt_ids: Sequence[int],
+    *,
+    attention: Callable[..., Tensor] = paged_attention,
+    append: Callable[..., None] = append_kv,
+) -> Tensor:
+    """Run the prompt into the request's empty cache; `[vocab]` logits after it (LOOP-PREFILL-1)."""
+    token_ids = torch.tensor(list(prompt_ids), dtype=torch.int64, device=weights.device)
+    batch = request_batch(kv_cache, 0, len(token_ids))
+    logits = forward_cached(weights, token_ids, batch, kv_cache, attention=attention, append=append)
+    return logits[0]
+
+
+@torch.no_grad()
+def decode_one_token(
+    weights: ModelWeights,
+    kv_cache: KVCache,
+    token_id: int,
+    position: int,
+    *,
+    attention: Callable[..., Tensor] = paged_attention,
+    append: Callable[..., None] = append_kv,
+) -> Tensor:
+    """Run one token at `position` through the cache; `[vocab]` logits after it (LOOP-DECODE-1)."""
+    token_ids = torch.tensor([token_id], dtype=torch.int64, device=weights.device)
+    batch = request_batch(kv_cache, position, 1)
+    logits = forward_cached(weights, token_ids, batch, kv_cache, attention=attention, append=append)
+    return logits[0]
+
+
+def token_logprobs(
+    logits: Tensor,
+    token_id: int,
+    params: SamplingParams,
+    tensors: dict[str, Tensor],
+    process_logits: Callable[..., Tensor] = sampling.process_logits,
+    compute_logprobs: Callable[..., sampling.Logprobs] = sampling.compute_logprobs,
+) -> TokenLogprobs | None:
+    """The logprobs of the token chosen from a step's `[vocab]` logits (LOOP-LOGPROB-1)."""
+    if params.top_logprobs is None:
+        return None
+    source = logits[None]
+    if params.logprobs_mode == "processed":
+        source = process_logits(source, **{k: v for k, v in tensors.items() if k != "seed"})
+    chosen = torch.tensor([token_id], dtype=torch.int64, device=logits.device)
+    lp = compute_logprobs(source, chosen, params.top_logprobs)
+    top = zip(lp.top_token_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True)
+    return TokenLogprobs(token_id, float(lp.token_logprobs[0]), int(lp.ranks[0]), list(top))
+
+
+def generate(
+    weights: ModelWeights,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    eos_token_ids: Iterable[int],
+    token_bytes: Callable[[int], bytes],
+    block_size: int = 16,
+    attention: Callable[..., Tensor] = paged_attention,
+    append: Callable[..., None] = append_kv,
+    sample: Callable[..., Tensor] = sampling.sample,
+    process_logits: Callable[..., Tensor] = sampling.process_logits,
+    compute_logprobs: Callable[..., sampling.Logprobs] = sampling.compute_logprobs,
+) -> Iterator[StepOutput]:
+    """Generate one request, streaming one `StepOutput` per token (the LOOP clauses).
+
+    The stage functions default to the spec's; others with the same
+    signatures may be passed (the kernels, or a `sample` wrapping the
+    spec's: it is called as `sample(logits[None], **tensors)` with
+    `tensors["step"]` the step, LOOP-SAMPLE-1).
+
+    Args:
+        weights: the model.
+        prompt_ids: the prompt's token ids, at least one.
+        params: the request's parameters, with a seed when temperature > 0.
+        eos_token_ids: the model's end-of-sequence ids.
+        token_bytes: the bytes of a token id (the text, STOP-UTF8-1).
+        block_size: positions per block of the request's cache, >= 1.
+
+    Raises:
+        ValueError: an invalid request, or no seed (LOOP-REQUEST-1).
+        InvalidLogitsError: a step's logits are invalid (LOOP-VALID-1).
+
+    Example:
+        >>> params = SamplingParams(temperature=0.7, seed=1, max_tokens=32)
+        >>> for step in generate(weights, tokenizer.encode("Hi"), params,  # doctest: +SKIP
+        ...                      eos_token_ids=tokenizer.eos_token_ids,
+        ...                      token_bytes=tokenizer.token_bytes):
+        ...     print(step.text, end="")
+    """
+    config = weights.config
+    prompt = [operator.index(t) for t in prompt_ids]
+    sampling.validate_request(
+        params, prompt, vocab_size=config.vocab_size, max_context=config.max_context
+    )
+    if params.temperature > 0 and params.seed is None:
+        raise ValueError("temperature > 0 needs a seed: resolve the seed first (resolve_seed)")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    eos = tuple(eos_token_ids)
+    stop = StopChecker(
+        params,
+        eos_token_ids=eos,
+        token_bytes=token_bytes,
+        prompt_len=len(prompt),
+        max_context=config.max_context,
+    )
+    # The request's cache (LOOP-CACHE-1): room for every position it can reach, all NaN.
+    capacity = config.max_context if params.max_tokens is None else len(prompt) + params.max_tokens
+    shape = (-(-capacity // block_size), block_size, config.num_kv_heads, config.head_dim)
+    nan = {"fill_value": torch.nan, "dtype": weights.dtype, "device": weights.device}
+    kv_cache = [(torch.full(shape, **nan), torch.full(shape, **nan)) for _ in weights.layers]
+
+    logits = prefill(weights, kv_cache, prompt, attention=attention, append=append)
+    output: list[int] = []
+    while True:
+        tensors = sampling.sampling_tensors(
+            [params],
+            vocab_size=config.vocab_size,
+            prompt_token_ids=[prompt],
+            output_token_ids=[output],
+            eos_token_ids=eos,
+            device=logits.device,
+        )
+        token = int(sample(logits[None], **tensors)[0])
+        logprobs = token_logprobs(logits, token, params, tensors, process_logits, compute_logprobs)
+        output.append(token)
+        delta = stop.append(token)
+        yield StepOutput(token, delta.text, delta.finish_reason, logprobs)
+        if delta.finish_reason is not None:
+            return
+        position = len(prompt) + len(output) - 1
+        logits = decode_one_token(
+            weights, kv_cache, token, position, attention=attention, append=append
+        )
