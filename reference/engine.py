@@ -11,11 +11,9 @@ leave between steps. Every request's tokens are those of the spec's loop
 (`decodespec.spec.generate`) run on it alone.
 
 A failure inside a pass fails only the request that causes it: the pass is
-undone and each request is run alone; the one that still fails finishes
-with reason "error" and a message, the others go on.
-
-With `naive=True` there is no KV cache: every step recomputes every
-request's whole sequence (`forward_naive`), which is what the cache saves.
+undone and each request run alone; one that still fails finishes with
+reason "error" and a message. With `naive=True` there is no KV cache: every
+step recomputes every request's whole sequence, which is what the cache saves.
 """
 
 from __future__ import annotations
@@ -105,23 +103,20 @@ class Engine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.backend = get_backend(backend)
         check_backend_device(self.backend, weights.device)
-        self.naive = naive
         self.cache = None
         if not naive:
+            blocks = -(-cache_tokens // block_size)
             self.cache = PagedKVCache(
-                self.config,
-                num_blocks=-(-cache_tokens // block_size),
-                block_size=block_size,
-                dtype=weights.dtype,
+                self.config, num_blocks=blocks, block_size=block_size, dtype=weights.dtype,
                 device=weights.device,
-            )
+            )  # fmt: skip
         self.scheduler = Scheduler(self.cache, self.config.max_context)
         self.runner = ModelRunner(weights, self.backend, self.cache, self.eos_token_ids)
         self.speculator = None
         if speculate is not None:
             drafter = make_drafter(speculate, weights, self.cache, self.backend, draft_model)
             self.speculator = Speculator(
-                drafter, num_draft, self.config, self.scheduler, self.runner
+                drafter, num_draft, self.config, self.scheduler.grow, self.runner
             )
         elif draft_model is not None:
             raise ValueError("draft_model is only used with speculate='model'")
@@ -137,8 +132,6 @@ class Engine:
             TypeError, ValueError: invalid parameters or prompt for this model
                 (PARAM-REQUEST-1), or a request the whole cache could never hold.
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = sampling.check_token_ids("prompt_ids", prompt_ids, self.config.vocab_size)
         sampling.validate_request(
             params,
@@ -214,7 +207,7 @@ class Engine:
         now = time.perf_counter()
         events: list[Event] = []
         for request, outcome in zip(batch, outcomes, strict=True):
-            events += self._postprocess(request, outcome, now)
+            events += self.scheduler.postprocess(request, outcome, now)
         return events
 
     def _pass(self, batch: list[Request]) -> list[Outcome]:
@@ -229,36 +222,3 @@ class Engine:
         except Exception as error:
             self.scheduler.restore(request, saved)
             return Outcome(error=f"{type(error).__name__}: {error}")
-
-    def _postprocess(self, request: Request, outcome: Outcome, now: float) -> list[Event]:
-        """Append the pass's tokens to the request (up to the first that stops it)."""
-        if outcome.error is not None:
-            return [self._fail(request, outcome.error)]
-        request.target_passes += 1
-        if outcome.drafted:
-            Speculator.record(request, outcome.drafted, accepted=len(outcome.tokens) - 1)
-        events = []
-        try:
-            for token, logprobs, candidates in zip(
-                outcome.tokens, outcome.logprobs, outcome.candidates, strict=True
-            ):
-                request.token_times.append(now)
-                if logprobs is not None:
-                    request.logprobs.append(logprobs)
-                delta = request.stop.append(token)
-                events.append(
-                    Event(request.id, token, delta.text, delta.finish_reason, logprobs, candidates)
-                )
-                if delta.finish_reason is not None:
-                    # A stop inside an accepted run cuts it: the later tokens are dropped.
-                    self.scheduler.finish(request, delta.finish_reason)
-                    return events
-        except Exception as error:
-            return [*events, self._fail(request, f"{type(error).__name__}: {error}")]
-        self.scheduler.roll_back(request)
-        return events
-
-    def _fail(self, request: Request, message: str) -> Event:
-        request.error = message
-        self.scheduler.finish(request, "error")
-        return Event(request.id, None, "", "error", error=message)

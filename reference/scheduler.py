@@ -1,4 +1,5 @@
-"""The scheduler: which requests run in the next pass, and the cache blocks they own.
+"""The scheduler: which requests run in the next pass, the cache blocks they own,
+and what each pass's tokens do to them (postprocess).
 
 Each step, running requests grow first (oldest first) so that their new
 tokens have cache slots; when the pool runs dry, the most recently admitted
@@ -16,7 +17,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from .cache import CacheFullError, PagedKVCache
-from .request import Request
+from .request import Event, Request
+from .runner import Outcome
+from .speculation import Speculator
 
 
 @dataclass(frozen=True)
@@ -142,3 +145,38 @@ class Scheduler:
         if self.cache is not None and request.blocks:
             self.cache.allocator.free(request.blocks)
         request.blocks = []
+
+    def postprocess(self, request: Request, outcome: Outcome, now: float) -> list[Event]:
+        """Append a pass's tokens to the request, up to the first that finishes it, and
+        return its events; then give back the blocks of rejected drafts."""
+        if outcome.error is not None:
+            return [self.fail(request, outcome.error)]
+        request.target_passes += 1
+        if outcome.drafted:
+            Speculator.record(request, outcome.drafted, accepted=len(outcome.tokens) - 1)
+        events = []
+        try:
+            for token, logprobs, candidates in zip(
+                outcome.tokens, outcome.logprobs, outcome.candidates, strict=True
+            ):
+                request.token_times.append(now)
+                if logprobs is not None:
+                    request.logprobs.append(logprobs)
+                delta = request.stop.append(token)
+                events.append(
+                    Event(request.id, token, delta.text, delta.finish_reason, logprobs, candidates)
+                )
+                if delta.finish_reason is not None:
+                    # A stop inside an accepted run cuts it: the later tokens are dropped.
+                    self.finish(request, delta.finish_reason)
+                    return events
+        except Exception as error:
+            return [*events, self.fail(request, f"{type(error).__name__}: {error}")]
+        self.roll_back(request)
+        return events
+
+    def fail(self, request: Request, message: str) -> Event:
+        """Finish the request with reason "error" and the message."""
+        request.error = message
+        self.finish(request, "error")
+        return Event(request.id, None, "", "error", error=message)

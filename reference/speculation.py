@@ -11,6 +11,8 @@ drafts are good.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -21,7 +23,6 @@ from .cache import PagedKVCache
 from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from .request import Request
 from .runner import ModelRunner, pick
-from .scheduler import Scheduler
 
 # The longest a request goes without drafts after passes that accepted none.
 MAX_DRAFT_PAUSE = 16
@@ -62,13 +63,13 @@ class Speculator:
         drafter: Drafter,
         num_draft: int,
         config: ModelConfig,
-        scheduler: Scheduler,
+        grow: Callable[[Request, int], bool],
         runner: ModelRunner,
     ) -> None:
         self.drafter = drafter
         self.num_draft = num_draft
         self.config = config
-        self.scheduler = scheduler
+        self.grow = grow  # Scheduler.grow: blocks for the drafts, if the pool has them
         self.runner = runner
 
     def draft(self, batch: list[Request]) -> list[Draft]:
@@ -84,7 +85,7 @@ class Speculator:
             count = min(self.num_draft, self.config.max_context - r.length - 1)
             if r.params.max_tokens is not None:
                 count = min(count, r.params.max_tokens - len(r.output_ids) - 1)
-            if count > 0 and not self.scheduler.grow(r, r.length + count):
+            if count > 0 and not self.grow(r, r.length + count):
                 count = 0  # no room for drafts: this step is plain decoding
             counts.append(max(count, 0))
         return self.drafter.propose(batch, counts, self.distributions)

@@ -84,6 +84,28 @@ def _absolute_imports(path: Path) -> list[tuple[str, int]]:
     return found
 
 
+@pytest.mark.parametrize("package", ["spec", "kernels", "reference"])
+def test_no_import_cycles_between_modules(package):
+    """Within a package, module imports form no cycle (TYPE_CHECKING ones included)."""
+    folder = ROOT / package
+    graph = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        graph[path.stem] = {
+            (node.module or "").split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        }
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        for imported in graph.get(module, ()):
+            assert imported not in path, f"import cycle: {' -> '.join((*path, imported))}"
+            visit(imported, (*path, imported))
+
+    for module in graph:
+        visit(module, (module,))
+
+
 def test_project_packages_are_imported_through_the_namespace():
     """Installed, the packages exist only as decodespec.spec, decodespec.kernels and
     decodespec.reference: a bare `import spec` works in a checkout (the repository
