@@ -9,6 +9,7 @@ go straight back to the pool for the next request.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -79,17 +80,25 @@ class PagedKVCache:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # Uninitialised: no slot is read before it is written (ATTN-BOUNDS-1), and
         # untouched pages of a large cache cost no memory until a sequence reaches them.
-        self.layers: list[tuple[Tensor, Tensor]] = [
-            (
-                torch.empty(shape, dtype=dtype, device=device),
-                torch.empty(shape, dtype=dtype, device=device),
-            )
-            for _ in range(config.num_layers)
-        ]
+        try:
+            self.layers: list[tuple[Tensor, Tensor]] = [
+                (
+                    torch.empty(shape, dtype=dtype, device=device),
+                    torch.empty(shape, dtype=dtype, device=device),
+                )
+                for _ in range(config.num_layers)
+            ]
+        except (RuntimeError, MemoryError) as error:
+            size = 2 * config.num_layers * math.prod(shape) * dtype.itemsize
+            raise ValueError(
+                f"a KV cache of {num_blocks} blocks of {block_size} positions needs "
+                f"{size / 2**30:.1f} GiB on {device}, which cannot be allocated: lower "
+                f"cache_tokens (or block_size) ({type(error).__name__})"
+            ) from error
+        self.allocator = BlockAllocator(num_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
         """How many blocks hold `num_tokens` positions."""

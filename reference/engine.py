@@ -19,6 +19,7 @@ step recomputes every request's whole sequence, which is what the cache saves.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -97,7 +98,9 @@ class Engine:
         if seed is None:
             self.generator.seed()
         else:
-            self.generator.manual_seed(_check_int("seed", seed, 0))
+            if _check_int("seed", seed, 0) >= 2**64:
+                raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+            self.generator.manual_seed(seed)
         self.config = weights.config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
@@ -121,6 +124,7 @@ class Engine:
         elif draft_model is not None:
             raise ValueError("draft_model is only used with speculate='model'")
         self.requests: dict[int, Request] = {}
+        self._streams: dict[int, deque[Event]] = {}  # events `generate` has yet to yield
         self._next_id = 0
 
     # -- requests
@@ -175,15 +179,19 @@ class Engine:
         return RequestOutput.of(self._request(request_id))
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[Event]:
-        """Stream one request's events (other queued requests advance alongside).
-        Closing the generator early aborts the request."""
+        """Stream one request's events; other requests advance alongside, and several
+        streams may be read in turns (each gets all of its events). Closing the
+        generator early aborts the request."""
         request_id = self.add_request(prompt_ids, params)
+        pending = self._streams[request_id] = deque()
         try:
-            while self.requests[request_id].finish_reason is None:
-                for event in self.step():
-                    if event.request_id == request_id:
-                        yield event
+            while pending or self.requests[request_id].finish_reason is None:
+                if not pending:
+                    self.step()
+                while pending:
+                    yield pending.popleft()
         finally:
+            del self._streams[request_id]
             self.abort(request_id)
 
     def _request(self, request_id: int) -> Request:
@@ -208,6 +216,9 @@ class Engine:
         events: list[Event] = []
         for request, outcome in zip(batch, outcomes, strict=True):
             events += self.scheduler.postprocess(request, outcome, now)
+        for event in events:
+            if event.request_id in self._streams:
+                self._streams[event.request_id].append(event)
         return events
 
     def _pass(self, batch: list[Request]) -> list[Outcome]:

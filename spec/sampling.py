@@ -500,7 +500,9 @@ class SamplingParams:
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
-        elif isinstance(stop, (bytes, bytearray, Mapping)) or not isinstance(stop, Iterable):
+        elif isinstance(stop, (bytes, bytearray, Mapping, Tensor)) or not isinstance(
+            stop, Iterable
+        ):
             raise ParameterTypeError(
                 f"stop must be a str or a sequence of str, got {_show(stop)} ({_kind(stop)})"
             )

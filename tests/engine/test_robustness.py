@@ -56,6 +56,9 @@ def all_blocks_free(engine: Engine) -> bool:
         ({"num_draft": 0, "speculate": "ngram"}, ValueError, "num_draft"),
         ({"seed": -1}, ValueError, "seed"),
         ({"seed": 1.5}, TypeError, "seed"),
+        ({"seed": 2**64}, ValueError, "seed"),
+        ({"cache_tokens": 10**15}, ValueError, "cannot be allocated: lower cache_tokens"),
+        ({"block_size": 10**10}, ValueError, "cannot be allocated"),
         ({"speculate": 3}, TypeError, "speculate"),
         ({"backend": "cuda"}, ValueError, "backend"),
     ],
@@ -324,6 +327,27 @@ def test_a_dropped_stream_aborts_its_request(weights):
     del stream
     gc.collect()
     assert all_blocks_free(engine) and not engine.has_unfinished()
+
+
+def test_streams_read_in_turns_each_get_all_their_events(weights):
+    engine = Engine(weights, ByteTokenizer(), block_size=2, cache_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    streams = [engine.generate([1, 2, 3], params), engine.generate([7, 8], params)]
+    received: list[list] = [[], []]
+    live = [0, 1]
+    while live:
+        for i in list(live):
+            event = next(streams[i], None)
+            if event is None:
+                live.remove(i)
+            else:
+                received[i].append(event)
+    for i, events in enumerate(received):
+        out = engine.output(i)
+        assert [e.token_id for e in events] == out.token_ids and len(events) == 6
+        assert "".join(e.text for e in events) == out.text
+        assert_request_matches_spec(engine, i, events, weights)
+    assert all_blocks_free(engine)
 
 
 def test_abort_of_waiting_running_and_finished_requests(weights):

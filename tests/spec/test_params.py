@@ -251,6 +251,7 @@ TYPE_ERRORS = [
     ("stop", ["a", 3]),
     ("stop", [None]),
     ("stop", {"a": 1}),
+    ("stop", torch.tensor(0.5)),
     ("stop_token_ids", None),
     ("stop_token_ids", 3),
     ("stop_token_ids", "12"),
