@@ -161,6 +161,16 @@ def victim_processed(logits, *, temperature, **kwargs):
     return bool((temperature == 0.9).any())
 
 
+def assert_only_the_victim_failed(engine, ids, events, weights) -> None:
+    """Request 1 failed with the injected fault; 0 and 2 are their spec output."""
+    victim = engine.output(ids[1])
+    assert victim.finish_reason == "error" and "injected fault" in victim.error
+    assert events[ids[1]][-1].finish_reason == "error"
+    for index in (0, 2):
+        assert_request_matches_spec(engine, ids[index], events[ids[index]], weights)
+    assert all_blocks_free(engine)
+
+
 FAULTS = {
     # stage: (backend field, when it fires)
     "attention": (
@@ -185,12 +195,7 @@ def test_a_fault_at_any_stage_fails_only_its_request(weights, stage):
         engine.backend, **{field: faulty(getattr(engine.backend, field), when)}
     )
     ids, events = run_workload(engine, fault_workload())
-    victim = engine.output(ids[1])
-    assert victim.finish_reason == "error" and "injected fault" in victim.error
-    assert events[ids[1]][-1].finish_reason == "error"
-    for index in (0, 2):
-        assert_request_matches_spec(engine, ids[index], events[ids[index]], weights)
-    assert all_blocks_free(engine)
+    assert_only_the_victim_failed(engine, ids, events, weights)
     # The engine is still usable, and still the spec.
     engine.runner.backend = engine.backend
     again = engine.add_request([5, 6, 7], fault_workload()[0][1])
@@ -208,10 +213,7 @@ def test_a_fault_while_streaming_text_fails_only_its_request(weights):
 
     engine = Engine(weights, Tokenizer(), block_size=4, cache_tokens=256)
     ids, events = run_workload(engine, fault_workload())
-    assert engine.output(ids[1]).finish_reason == "error"
-    for index in (0, 2):
-        assert_request_matches_spec(engine, ids[index], events[ids[index]], weights)
-    assert all_blocks_free(engine)
+    assert_only_the_victim_failed(engine, ids, events, weights)
 
 
 def test_a_fault_in_the_drafter_fails_only_its_request(weights):
@@ -230,10 +232,7 @@ def test_a_fault_in_the_drafter_fails_only_its_request(weights):
         for i, (p, params, a) in enumerate(fault_workload())
     ]
     ids, events = run_workload(engine, workload)
-    assert engine.output(ids[1]).finish_reason == "error"
-    for index in (0, 2):
-        assert_request_matches_spec(engine, ids[index], events[ids[index]], weights)
-    assert all_blocks_free(engine)
+    assert_only_the_victim_failed(engine, ids, events, weights)
 
 
 def test_a_fault_in_verification_fails_only_its_request(weights):
@@ -249,10 +248,7 @@ def test_a_fault_in_verification_fails_only_its_request(weights):
         ([6, 7, 6, 7, 6, 7], SamplingParams(temperature=0.0, max_tokens=6), 0),
     ]
     ids, events = run_workload(engine, workload)
-    assert engine.output(ids[1]).finish_reason == "error"
-    for index in (0, 2):
-        assert_request_matches_spec(engine, ids[index], events[ids[index]], weights)
-    assert all_blocks_free(engine)
+    assert_only_the_victim_failed(engine, ids, events, weights)
 
 
 def test_a_transient_fault_in_a_batched_pass_fails_no_request(weights):
