@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -384,3 +386,39 @@ def test_eight_requests_in_four_blocks_all_finish_with_their_solo_output(weights
     for request_id in ids.values():
         assert_request_matches_spec(engine, request_id, events[request_id], weights)
     assert all_blocks_free(engine)
+
+
+# ---------------------------------------------------------------- odd values everywhere
+
+ODD_VALUES = [
+    None, True, False, 0, 1, -1, 2**63, 2**64, -(2**63), 10**30, 0.0, -0.0, 1e-46, 1e-40,
+    1e-38, 1e-30, 0.5, 1.0, 1.5, 2.0, 100.0, 1e38, 1e39, math.inf, -math.inf, math.nan,
+    "1", "abc", "", b"x", 1 + 0j, [], [1], [""], ["a"], {}, {1: 1.0}, {-1: 1.0},
+    {300: 1.0}, {1: math.nan}, {"a": 1}, (1,), np.float32(0.5), np.int64(3),
+    torch.tensor(0.5), torch.tensor([1, 2]), object(), "raw", "processed", [2**70], [-5],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(SamplingParams)])
+def test_every_odd_value_is_refused_by_name_or_runs_beside_a_healthy_request(weights, field):
+    """Each odd value of each parameter: a TypeError or ValueError that names the
+    parameter, or a request that runs to a finish without disturbing its neighbour."""
+    for value in ODD_VALUES:
+        where = f"{field}={value!r}"
+        try:
+            params = SamplingParams(**{field: value})
+        except (TypeError, ValueError) as error:
+            assert field in str(error), f"{where}: {error}"
+            continue
+        engine = Engine(weights, ByteTokenizer(), block_size=4, cache_tokens=256)
+        try:
+            request_id = engine.add_request([1, 2, 3], params)
+        except (TypeError, ValueError):
+            continue  # refused against the model (ids outside the vocabulary, ...)
+        healthy = engine.add_request(
+            [4, 5], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        )
+        drain(engine)
+        assert engine.output(healthy).finish_reason == "length", where
+        assert engine.output(request_id).finish_reason in ("stop", "length"), where
+        assert all_blocks_free(engine), where
