@@ -170,6 +170,12 @@ OPERATIONS: dict[str, Operation] = {
             Tolerance("boundary", margin=2.0**-20),
         ),
         _op(
+            "process_logits",
+            "sampling",
+            ("SAMPLE-ORDER-1", "SAMPLE-GREEDY-1", "LOGITS-ORDER-1"),
+            Tolerance("boundary", margin=2.0**-20),
+        ),
+        _op(
             "compute_logprobs",
             "sampling",
             ("LOGPROB-RAW-1", "LOGPROB-RANK-1", "LOGPROB-TOP-1"),

@@ -5,8 +5,11 @@ Options (each also an environment variable):
                      With the default, operations `decodespec.kernels` lacks run as a
                      self-check of the spec and are listed in the header; a
                      module named explicitly gets "missing" skips instead.
-  --xfails FILE      (DECODESPEC_XFAILS)  known failures: one test id a line,
-                     `<nodeid>  # reason`.
+  --xfails FILE      (DECODESPEC_XFAILS)  known failures: one test a line,
+                     `<nodeid>  # reason`; a nodeid without its `[...]` parameters
+                     covers every parametrization. A reason that starts with a
+                     clause id (`# SAMPLE-TOPK-2: keeps exactly k tokens`) names
+                     the clause the test fails on, which must be one it marks.
   --report FILE      (DECODESPEC_REPORT)  write the clause report (JSON).
 HYPOTHESIS_PROFILE selects ci / dev / thorough (pyproject.toml).
 """
@@ -173,13 +176,34 @@ def _read_xfails(path: str) -> dict[str, str]:
     return entries
 
 
+def xfail_clause(reason: str) -> str | None:
+    """The clause id an xfails reason starts with (`SAMPLE-TOPK-2: ...`), if any."""
+    head, colon, _ = reason.partition(":")
+    return head.strip() if colon and head.strip() in registry.clauses() else None
+
+
+def _xfail_reason(item: pytest.Item, xfails: dict[str, str]) -> str | None:
+    reason = xfails.get(item.nodeid, xfails.get(item.nodeid.split("[")[0]))
+    if reason is None:
+        return None
+    clause = xfail_clause(reason)
+    marked = [c for marker in item.iter_markers("clause") for c in marker.args]
+    if clause is not None and clause not in marked:
+        raise pytest.UsageError(
+            f"xfails: {item.nodeid} is listed as failing on {clause}, "
+            f"but it marks only {marked}"
+        )
+    return reason
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     path = _option(config, "xfails")
     if path:
         xfails = _read_xfails(path)
         for item in items:
-            if item.nodeid in xfails:
-                item.add_marker(pytest.mark.xfail(reason=xfails[item.nodeid], strict=False))
+            reason = _xfail_reason(item, xfails)
+            if reason is not None:
+                item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
     known = registry.clauses()
     for item in items:
         for marker in item.iter_markers("clause"):
@@ -202,6 +226,19 @@ def _clear_reproductions():
     yield
 
 
+def _outcome_message(report: pytest.TestReport) -> str | None:
+    """One line on why a test did not pass: the xfail or skip reason, or the error."""
+    if hasattr(report, "wasxfail"):
+        return report.wasxfail.removeprefix("reason: ") or None
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        text = crash.message if crash is not None else str(report.longrepr)
+        return text.strip().splitlines()[0][:300] if text.strip() else None
+    return None
+
+
 class ClauseReport:
     """Collects test outcomes and writes clause -> tests -> outcome as JSON."""
 
@@ -209,6 +246,7 @@ class ClauseReport:
         self.path = path
         self.impl = impl
         self.outcomes: dict[str, str] = {}
+        self.messages: dict[str, str] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or report.outcome != "passed":
@@ -218,6 +256,9 @@ class ClauseReport:
             self.outcomes.setdefault(report.nodeid, outcome)
             if outcome == "failed":  # a teardown error after a pass still fails the test
                 self.outcomes[report.nodeid] = outcome
+            message = _outcome_message(report)
+            if message and report.nodeid not in self.messages:
+                self.messages[report.nodeid] = message
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         table = {
@@ -227,9 +268,10 @@ class ClauseReport:
         for item in session.items:
             ids = [c for marker in item.iter_markers("clause") for c in marker.args]
             for clause_id in dict.fromkeys(ids):
-                table[clause_id]["tests"].append(
-                    {"nodeid": item.nodeid, "outcome": self.outcomes.get(item.nodeid, "not run")}
-                )
+                entry = {"nodeid": item.nodeid, "outcome": self.outcomes.get(item.nodeid, "not run")}
+                if item.nodeid in self.messages:
+                    entry["message"] = self.messages[item.nodeid]
+                table[clause_id]["tests"].append(entry)
         impl = self.impl
         report = {
             "implementation": {"name": impl.name, "version": impl.version},

@@ -1,0 +1,115 @@
+"""Conformance: `process_logits`, the distribution a token is drawn from.
+
+This is the sampling pipeline without the random choice: processors
+(LOGITS-ORDER-1), then for sampled rows temperature and the filters
+(SAMPLE-ORDER-1), for greedy rows nothing more (SAMPLE-GREEDY-1). An engine
+whose random numbers are not the spec's (every engine but this one) is still
+checked on what it samples from.
+
+The comparison is shift-invariant, since softmax is: the kept set (finite
+entries) must lie between the oracle's strict and loose sets, and each
+token kept by both must sit at the spec's distance from the row's maximum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from decodespec.spec import registry
+from decodespec.spec.logits import apply_logit_processors
+from tests import oracle
+from tests.conformance.test_sampling import (
+    assert_invalid_logits_error,
+    processor_args,
+    reference_kept,
+)
+from tests.strategies import DEVICE, logits, per_row, sampling_args
+
+PROCESS = registry.OPERATIONS["process_logits"]
+
+
+def without_seed(args: dict) -> dict:
+    return {k: v for k, v in args.items() if k != "seed"}
+
+
+def assert_processed_conforms(x: torch.Tensor, args: dict, out: torch.Tensor) -> None:
+    """Kept sets between strict and loose; kept values equal relative to the row maximum."""
+    assert out.shape == x.shape, (out.shape, x.shape)
+    assert out.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32), out.dtype
+    ref = PROCESS.reference(x.double(), **without_seed(args)).cpu()
+    out = out.double().cpu()
+    assert not bool(out.isnan().any()), "NaN in the processed logits of a valid row"
+    assert not bool((out == math.inf).any()), "+inf in the processed logits"
+    greedy = (args["temperature"] == 0).cpu()
+    _, kept = reference_kept(x, args)
+    processed = apply_logit_processors(x.double(), **processor_args(args)).cpu()
+    strict = torch.where(greedy[:, None], processed > -math.inf, kept.strict.cpu())
+    loose = torch.where(greedy[:, None], processed > -math.inf, kept.loose.cpu())
+    oracle.assert_between(out > -math.inf, oracle.Kept(strict, loose), "process_logits")
+    both = (out > -math.inf) & (ref > -math.inf)
+    from_max = out - out.amax(-1, keepdim=True)
+    ref_from_max = ref - ref.amax(-1, keepdim=True)
+    rtol = registry.RELATIVE.rtol[torch.float32 if x.dtype != torch.float64 else torch.float64]
+    error = (from_max - ref_from_max).abs().masked_fill(~both, 0)
+    bound = rtol * ref_from_max.abs().clamp(min=1).masked_fill(~both, 1)
+    bad = error > bound
+    assert not bool(bad.any()), (
+        f"(row, token) {bad.nonzero().tolist()[:8]}: distance from the row maximum "
+        f"{from_max[bad].tolist()[:8]}, the spec's {ref_from_max[bad].tolist()[:8]}"
+    )
+
+
+@pytest.mark.clause("SAMPLE-ORDER-1", "SAMPLE-GREEDY-1")
+@given(x=logits(), data=st.data())
+def test_process_logits_matches_reference(impl, x, data):
+    args = without_seed(data.draw(sampling_args(*x.shape)))
+    out = impl.op("process_logits")(x, **args)
+    assert_processed_conforms(x, args, out)
+
+
+@pytest.mark.clause(
+    "LOGITS-ORDER-1",
+    "LOGITS-BIAS-1",
+    "LOGITS-MINTOK-1",
+    "LOGITS-REP-1",
+    "LOGITS-FREQ-1",
+    "LOGITS-PRES-1",
+)
+@given(x=logits(dtypes=(torch.float32,)), data=st.data())
+def test_process_logits_with_processors_matches_reference(impl, x, data):
+    batch, vocab = x.shape
+    args = without_seed(data.draw(sampling_args(batch, vocab)))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+    if data.draw(st.booleans()):
+        impl.require("logit_bias")
+        args["logit_bias"] = (
+            (torch.rand(batch, vocab, generator=g) * 20 - 10)
+            * (torch.rand(batch, vocab, generator=g) < 0.2)
+        ).to(DEVICE)
+    if data.draw(st.booleans()):
+        impl.require("min_tokens")
+        args["stop_token_mask"] = (torch.rand(batch, vocab, generator=g) < 0.1).to(DEVICE)
+        args["min_tokens"] = per_row(data.draw, batch, st.integers(0, 3), torch.int64)
+        args["step"] = per_row(data.draw, batch, st.integers(0, 4), torch.int64)
+    if data.draw(st.booleans()):
+        impl.require("penalties")
+        args["prompt_mask"] = (torch.rand(batch, vocab, generator=g) < 0.3).to(DEVICE)
+        args["output_counts"] = (
+            torch.randint(0, 3, (batch, vocab), generator=g).to(torch.int32).to(DEVICE)
+        )
+        args["repetition_penalty"] = per_row(data.draw, batch, st.floats(0.5, 2.0), torch.float32)
+        args["frequency_penalty"] = per_row(data.draw, batch, st.floats(-2, 2), torch.float32)
+        args["presence_penalty"] = per_row(data.draw, batch, st.floats(-2, 2), torch.float32)
+    try:
+        out = impl.op("process_logits")(x, **args)
+    except ValueError as error:  # min_tokens may ban every finite token of a row
+        assert_invalid_logits_error(error)
+        processed = apply_logit_processors(x.double(), **processor_args(args))
+        assert error.rows == (processed == -math.inf).all(-1).nonzero().flatten().tolist()
+        return
+    assert_processed_conforms(x, args, out)

@@ -1,0 +1,24 @@
+"""Adapters that put engines nobody here wrote under the conformance suite.
+
+Each module here is one column of the peer matrix: an implementation module
+for `pytest tests/conformance --impl tests.peers.<module>`. It maps the
+registry's operations (`decodespec.spec.registry.OPERATIONS`) onto the
+peer's own public functions, with the spec's names and signatures. The glue
+only converts layouts (dense masks to the peer's token lists, pages to the
+dense K/V a peer takes); it never re-implements the peer's rule, so a test
+that fails shows what the peer does.
+
+Beside each module, `<module>.xfails` records every disagreement a run
+found, one test a line:
+
+    tests/conformance/test_sampling.py::test_top_k_keeps_every_token_tied_at_the_boundary  # SAMPLE-TOPK-2: keeps exactly k tokens, cutting ties by position
+
+The reason starts with the clause the test fails on and says, in one
+sentence, what the peer does instead. Tests are never loosened to make a
+peer pass. What a peer lacks altogether is either missing (the module does
+not define the operation) or an unsupported feature
+(`CONFORMANCE_UNSUPPORTED`).
+
+`python -m tests.peers.run` (`make peers`) runs every peer available on the
+machine and writes `results/peers.json`, the matrix the site renders.
+"""

@@ -1,0 +1,229 @@
+"""`make peers`: run the conformance suite against every peer and write the matrix.
+
+    python -m tests.peers.run [--out results/peers.json] [--only NAME ...]
+
+For each peer of `PEERS` that this machine can run, the suite runs in a
+subprocess (`pytest tests/conformance --impl <module> --xfails <module>.xfails
+--report ...`), and its clause report becomes one column: per clause, pass,
+fail, xfail (with what the peer does instead, from the xfails file) or skip
+(with the reason). A peer whose package is not installed, or that needs a
+GPU this machine lacks, gets a column of its reason. The llama.cpp column
+also carries the loop comparison on the bundled model (tokenizer ids, greedy
+tokens, decode tokens/s of both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+RESULTS = ROOT / "results" / "peers.json"
+STATUSES = ("pass", "fail", "xfail", "skip")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A column of the matrix: its title and its adapter module (tests/peers/<file>.py)."""
+
+    name: str
+    module: str
+
+    @property
+    def xfails(self) -> Path:
+        return HERE / f"{self.module.rsplit('.', 1)[-1]}.xfails"
+
+
+PEERS = (
+    Peer("transformers", "tests.peers.transformers_ops"),
+    Peer("transformers eager attention", "tests.peers.transformers_eager"),
+    Peer("transformers SDPA attention", "tests.peers.transformers_sdpa"),
+    Peer("PyTorch SDPA", "tests.peers.torch_sdpa"),
+    Peer("PyTorch FlexAttention", "tests.peers.torch_flex"),
+    Peer("llama.cpp", "tests.peers.llama_cpp_ops"),
+    Peer("FlashInfer", "tests.peers.flashinfer_ops"),
+    Peer("vLLM", "tests.peers.vllm_ops"),
+)
+
+
+def unavailable(peer: Peer) -> str | None:
+    """Why this machine cannot run `peer`, or None."""
+    try:
+        module = importlib.import_module(peer.module)
+    except ImportError as error:
+        return f"not installed here ({error})"
+    if getattr(module, "PEER_REQUIRES", None) == "cuda" and not torch.cuda.is_available():
+        return "needs a CUDA GPU, and this machine has none"
+    return None
+
+
+def peer_info(peer: Peer) -> dict:
+    """What the adapter says of its peer: package, version, the functions it calls."""
+    try:
+        module = importlib.import_module(peer.module)
+    except ImportError:
+        return {}
+    info = dict(getattr(module, "PEER", {}))
+    package = info.get("package")
+    if package:
+        try:
+            info["version"] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            info["version"] = "not installed"
+    return info
+
+
+def run_suite(peer: Peer, report: Path) -> tuple[int, float]:
+    """The conformance suite against `peer`; its exit status and wall time."""
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/conformance",
+        "--impl",
+        peer.module,
+        "--report",
+        str(report),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    if peer.xfails.exists():
+        command += ["--xfails", str(peer.xfails)]
+    env = {**os.environ, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")}
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode not in (0, 1):  # 1: some test failed, which the matrix shows
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
+    return done.returncode, time.perf_counter() - start
+
+
+def _clause_of_xfail(message: str) -> tuple[str | None, str]:
+    """An xfails reason `CLAUSE-ID: what the peer does` split in two."""
+    from decodespec.spec import registry
+
+    head, colon, rest = message.partition(":")
+    if colon and head.strip() in registry.clauses():
+        return head.strip(), rest.strip()
+    return None, message
+
+
+def cell(clause_id: str, tests: list[dict], module: str, name: str) -> dict:
+    """One clause of one peer: its status and, unless it passes, one line on why."""
+    failed = [t for t in tests if t["outcome"] in ("failed", "error")]
+    if failed:
+        first = failed[0]
+        test = first["nodeid"].split("::")[-1]
+        return {"status": "fail", "why": f"{test}: {first.get('message', 'failed')}"}
+    own_xfails, other_xfails = [], []
+    for test in tests:
+        if test["outcome"] == "xfailed":
+            clause, reason = _clause_of_xfail(test.get("message", ""))
+            (own_xfails if clause == clause_id else other_xfails).append((clause, reason))
+    if own_xfails:
+        return {"status": "xfail", "why": "; ".join(dict.fromkeys(r for _, r in own_xfails))}
+    if any(t["outcome"] in ("passed", "xpassed") for t in tests):
+        return {"status": "pass"}
+    reasons = [
+        t.get("message", "").replace(module, name) for t in tests if t["outcome"] == "skipped"
+    ]
+    reasons += [f"its tests fail on {clause} first" for clause, _ in other_xfails]
+    return {"status": "skip", "why": "; ".join(dict.fromkeys(r for r in reasons if r))}
+
+
+def column(peer: Peer) -> dict:
+    """Run `peer` (or say why not) and return its column of the matrix."""
+    info = {"module": peer.module, **peer_info(peer)}
+    reason = unavailable(peer)
+    if reason is not None:
+        return {**info, "ran": False, "why": reason, "clauses": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "report.json"
+        status, seconds = run_suite(peer, path)
+        if not path.exists():
+            return {**info, "ran": False, "why": f"pytest exited {status}", "clauses": {}}
+        report = json.loads(path.read_text())
+    clauses = {
+        clause_id: cell(clause_id, entry["tests"], peer.module, peer.name)
+        for clause_id, entry in report["clauses"].items()
+        if entry["tests"]
+    }
+    counts = {s: sum(c["status"] == s for c in clauses.values()) for s in STATUSES}
+    result = {
+        **info,
+        "ran": True,
+        "date": report["date"],
+        "exit_status": status,
+        "seconds": round(seconds, 1),
+        "counts": counts,
+        "clauses": clauses,
+    }
+    if peer.name == "llama.cpp":
+        from tests.peers.llama_cpp_loop import compare_loop
+
+        result["loop"] = compare_loop()
+    return result
+
+
+def matrix(peers: tuple[Peer, ...] = PEERS) -> dict:
+    """Every peer's column, with the machine and the clause texts."""
+    from decodespec.spec import registry
+
+    columns = {peer.name: column(peer) for peer in peers}
+    return {
+        "command": "make peers",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        },
+        "hypothesis_profile": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
+        "clauses": {
+            clause.id: {"module": clause.module}
+            for clause in registry.clauses().values()
+            if any(clause.id in column["clauses"] for column in columns.values())
+        },
+        "peers": columns,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the matrix")
+    parser.add_argument("--only", nargs="*", help="peer names to run (default: all)")
+    args = parser.parse_args(argv)
+    peers = tuple(p for p in PEERS if not args.only or p.name in args.only)
+    unknown = set(args.only or ()) - {p.name for p in PEERS}
+    if unknown:
+        parser.error(f"unknown peers {sorted(unknown)}; known: {[p.name for p in PEERS]}")
+    result = matrix(peers)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, col in result["peers"].items():
+        summary = col["counts"] if col["ran"] else col["why"]
+        print(f"{name:30} {summary}")
+    failed = [n for n, c in result["peers"].items() if c["ran"] and c["counts"]["fail"]]
+    if failed:
+        print(f"unrecorded disagreements (fail cells) in: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
