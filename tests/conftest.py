@@ -190,8 +190,7 @@ def _xfail_reason(item: pytest.Item, xfails: dict[str, str]) -> str | None:
     marked = [c for marker in item.iter_markers("clause") for c in marker.args]
     if clause is not None and clause not in marked:
         raise pytest.UsageError(
-            f"xfails: {item.nodeid} is listed as failing on {clause}, "
-            f"but it marks only {marked}"
+            f"xfails: {item.nodeid} is listed as failing on {clause}, but it marks only {marked}"
         )
     return reason
 
@@ -268,7 +267,8 @@ class ClauseReport:
         for item in session.items:
             ids = [c for marker in item.iter_markers("clause") for c in marker.args]
             for clause_id in dict.fromkeys(ids):
-                entry = {"nodeid": item.nodeid, "outcome": self.outcomes.get(item.nodeid, "not run")}
+                outcome = self.outcomes.get(item.nodeid, "not run")
+                entry = {"nodeid": item.nodeid, "outcome": outcome}
                 if item.nodeid in self.messages:
                     entry["message"] = self.messages[item.nodeid]
                 table[clause_id]["tests"].append(entry)
