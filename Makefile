@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint system-deps bench-cpu bench-speculative bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	@python3 -m venv $(VENV) || { \
@@ -27,8 +27,39 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint system-deps
+test: lint system-deps $(LLAMA_STAMP)
 	$(PY) -m pytest
+
+# llama.cpp, a peer of the conformance suite (tests/peers/), through llama-cpp-python:
+# the package index has only its source, so it is compiled here, once per venv (about
+# 8 minutes on 2 cores). The version is pinned so that the committed matrix is reproducible.
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_STAMP := $(VENV)/.llama-cpp
+
+$(LLAMA_STAMP): $(STAMP) | compiler
+	@echo "building $(LLAMA_CPP) from source (about 8 minutes on 2 cores, once) ..."
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(VENV)/bin/pip install --quiet \
+		--disable-pip-version-check "$(LLAMA_CPP)"
+	touch $(LLAMA_STAMP)
+
+# The conformance suite against every peer this machine can run: results/peers.json,
+# the matrix of the site's Peers page (a few minutes on a CPU).
+peers: $(LLAMA_STAMP)
+	$(PY) -m tests.peers.run
+
+# A C and C++ compiler for llama-cpp-python, installed where it is missing.
+compiler:
+	@if command -v cc >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "make: llama-cpp-python needs a C and C++ compiler (cc, c++): install them"; exit 1; \
+	fi; \
+	if [ "$$(id -u)" -eq 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else echo "make: run 'sudo apt-get install -y build-essential' once, then make again."; exit 1; \
+	fi; \
+	echo "installing a compiler (apt-get build-essential) for llama-cpp-python ..."; \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential >/dev/null
 
 # What the tests need from the system, installed where it is missing: Debian's
 # Chromium for the documentation's browser test (tests/docs/test_browser.py;

@@ -1,11 +1,12 @@
-"""MkDocs hook: the performance page and every figure, generated from measured data.
+"""MkDocs hook: the performance page, the peers page and every figure, from measured data.
 
 At build time it adds `performance.md` (rendered from `results/*.json` by
 `docs.tools.performance`) and the SVG figures under `assets/figures/` (drawn
 from `results/` and `docs/data/` by `docs.tools.figures`) to the site's files,
 and fills each page's `<!-- measured: NAME -->` markers with the device,
 date and command of that data file, so pages, figures and captions always
-show the data files they were built with.
+show the data files they were built with. It fills `peers.md` from
+`results/peers.json` (`make peers`) with `docs.tools.peers`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from docs.tools import peers  # noqa: E402
 from docs.tools.figures import all_figures, fill_captions  # noqa: E402
 from docs.tools.performance import performance_figures, performance_page  # noqa: E402
 
@@ -44,6 +46,27 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
     return files
 
 
+def peers_page(markdown: str) -> str:
+    """peers.md: the matrix of `results/peers.json`, the peers' versions, the loop comparison."""
+    matrix = peers.load()
+    machine = matrix["machine"]
+    measured = (
+        f"*Measured {matrix['date']} on {machine['device']} ({machine['cores']} cores, "
+        f"torch {machine['torch']}, Python {machine['python']}) with `{matrix['command']}`, "
+        f"hypothesis profile `{matrix['hypothesis_profile']}`: `results/peers.json`.*"
+    )
+    for marker, text in (
+        ("<!-- peers-measured -->", measured),
+        ("<!-- peers-versions -->", peers.versions_markdown(matrix)),
+        ("<!-- peers-matrix -->", peers.matrix_markdown(matrix)),
+        ("<!-- peers-loop -->", peers.loop_markdown(matrix)),
+    ):
+        markdown = markdown.replace(marker, text)
+    return markdown
+
+
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
-    """Fill the `<!-- measured: NAME -->` captions under the figures."""
+    """Fill the `<!-- measured: NAME -->` captions under the figures, and the peers page."""
+    if page.file.src_uri == "peers.md":
+        markdown = peers_page(markdown)
     return fill_captions(markdown)

@@ -21,6 +21,7 @@ import importlib
 import inspect
 import json
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +33,21 @@ from mkdocs.structure.pages import Page
 
 from decodespec.spec import registry
 
+# MkDocs loads hooks by path: make the repository's `docs.tools` importable.
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from docs.tools import peers  # noqa: E402
+
 KERNELS_MARKER = "<!-- kernels-api -->"
 MATRIX_MARKER = "<!-- conformance-matrix -->"
 REPORT = ROOT / "docs" / "conformance-report.json"
 SAMPLING_PICTURES = "sampling-pictures.md"
-# A clause's "Differs from ..." is shown when it names one of these (other
-# differences, from SEMANTICS.md say, stay in the clause).
-PEERS = ("Hugging Face", "vLLM", "FlashInfer", "llama.cpp", "engines")
+# The engines a "Differs from ..." note can name: the `engine` of the peer
+# matrix's columns (results/peers.json). A clause sentence that names none of
+# them is prose, not a note.
+ENGINES = ("Hugging Face", "PyTorch", "llama.cpp", "FlashInfer", "vLLM")
 
 
 @dataclass(frozen=True)
@@ -64,28 +72,78 @@ STAGES = (
 )
 
 # Differences from other engines that the clause texts do not state, by
-# stage and engine. Each names the clause it concerns.
-KNOWN_DIFFERENCES: dict[str, dict[str, str]] = {
-    "forward": {
-        "llama.cpp": "GGUF files store the rows of the Q and K projections permuted for "
-        "llama.cpp's interleaved RoPE layout; this spec uses the half-split layout of "
-        "Hugging Face and the loader un-permutes them (FWD-ROPE-1).",
-    },
-    "attention": {
-        "FlashInfer": "describes the pages of a batch in CSR form (`kv_indptr`, `kv_indices`, "
-        "`kv_last_page_len`) instead of a padded block table (ATTN-LAYOUT-1).",
-    },
-    "logits": {
-        "Hugging Face": "`generate` has a repetition penalty but no frequency or presence "
-        "penalty (LOGITS-FREQ-1, LOGITS-PRES-1).",
-        "llama.cpp": "applies its penalties to the last `penalty_last_n` tokens only "
-        "(64 by default), not to the whole prompt and output (LOGITS-REP-1).",
-    },
-    "sampling": {
-        "llama.cpp": "its default sampler chain applies the temperature after top-k, top-p "
-        "and min-p; here the filters see the scaled logits (SAMPLE-ORDER-1).",
-    },
+# stage: (engine, text); the text names the clauses it concerns. Each is
+# checked against the peer matrix (docs/tools/peers.py).
+KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
+    "forward": [
+        (
+            "llama.cpp",
+            "GGUF files store the rows of the Q and K projections permuted for llama.cpp's "
+            "interleaved RoPE layout; this spec uses the half-split layout of Hugging Face and "
+            "the loader un-permutes them (FWD-ROPE-1).",
+        ),
+    ],
+    "attention": [
+        (
+            "FlashInfer",
+            "describes the pages of a batch in CSR form (`kv_indptr`, `kv_indices`, "
+            "`kv_last_page_len`) instead of a padded block table (ATTN-LAYOUT-1).",
+        ),
+    ],
+    "logits": [
+        (
+            "Hugging Face",
+            "`generate` has a repetition penalty but no frequency or presence penalty "
+            "(LOGITS-FREQ-1, LOGITS-PRES-1).",
+        ),
+        (
+            "Hugging Face",
+            "`MinNewTokensLengthLogitsProcessor` assigns −inf to the stop ids instead of "
+            "adding it, so a NaN logit becomes −inf and the invalid row goes unnoticed "
+            "(LOGITS-MINTOK-1).",
+        ),
+    ],
+    "softmax": [
+        (
+            "Hugging Face",
+            "`TemperatureLogitsWarper` divides the logits without subtracting the row's "
+            "maximum: the same distribution, other values, and a tiny temperature overflows "
+            "the maximum to inf (SOFTMAX-TEMP-1).",
+        ),
+    ],
+    "sampling": [
+        (
+            "llama.cpp",
+            "its default sampler chain applies the temperature after top-k, top-p and "
+            "min-p; here the filters see the scaled logits (SAMPLE-ORDER-1).",
+        ),
+        (
+            "Hugging Face",
+            "`TopPLogitsWarper` cuts a sorted list, so of several tied maximum tokens it can "
+            "keep one, which SAMPLE-ORDER-1 forbids (SAMPLE-ORDER-1).",
+        ),
+    ],
 }
+
+
+def peer_notes(stage: Stage | None = None) -> list[peers.Note]:
+    """The "Differs from" notes of one stage's page (of every page if None).
+
+    A clause's sentence "Differs from ..." is a note for each engine of
+    ENGINES it names; so is each entry of KNOWN_DIFFERENCES, for the
+    clauses its text names.
+    """
+    notes = []
+    for each in STAGES if stage is None else (stage,):
+        for clause in registry.clauses_of(importlib.import_module(each.module)):
+            _, found, rest = clause.text.partition("Differs from")
+            for engine in ENGINES if found else ():
+                if engine in rest:
+                    notes.append(peers.Note(engine, (clause.id,), f"Differs from{rest}"))
+        for engine, text in KNOWN_DIFFERENCES.get(each.name, []):
+            notes.append(peers.Note(engine, tuple(peers.CLAUSE_ID.findall(text)), text))
+    return notes
+
 
 _CLAUSE_START = re.compile(r"^\[([A-Z0-9]+(?:-[A-Z0-9]+)*-\d+)\]\s")
 _SECTION = re.compile(r"^(Args|Returns|Raises|Example|Examples):$")
@@ -192,20 +250,16 @@ def _prose_with_clauses(module: ModuleType, tests: dict[str, list[str]]) -> str:
     return "\n".join(out)
 
 
-def _differences(stage: Stage, module: ModuleType) -> list[str]:
-    """Bullet items: the clauses' "Differs from <engine>" sentences and the known differences."""
+def _differences_admonition(stage: Stage, matrix: dict | None) -> str:
+    """The stage's notes, each with what the peer matrix's runs say of it."""
     items = []
-    for clause in registry.clauses_of(module):
-        _, found, rest = clause.text.partition("Differs from")
-        if found and any(peer in rest for peer in PEERS):
-            items.append(f"- [{clause.id}](#{clause_anchor(clause.id)}): Differs from{rest}")
-    for engine, text in KNOWN_DIFFERENCES.get(stage.name, {}).items():
-        items.append(f"- **{engine}** {text}")
-    return items
-
-
-def _differences_admonition(stage: Stage, module: ModuleType) -> str:
-    items = _differences(stage, module)
+    for note in peer_notes(stage):
+        links = ", ".join(f"[{c}](#{clause_anchor(c)})" for c in note.clauses)
+        line = f"- **{note.engine}** ({links}): {note.text}"
+        if matrix is not None:
+            verdict, runs = peers.note_check(note, matrix)
+            line += f" *({'seen in the peer runs' if verdict == 'confirmed' else verdict}: {runs})*"
+        items.append(line)
     if not items:
         body = "No difference from Hugging Face, vLLM, FlashInfer or llama.cpp is recorded yet."
         return f'!!! note "Differs from"\n\n    {body}\n'
@@ -244,7 +298,7 @@ def stage_page(stage: Stage, tests: dict[str, list[str]], docs_dir: Path) -> str
     parts += [
         _prose_with_clauses(module, tests),
         "\n## Differences from other engines\n",
-        _differences_admonition(stage, module),
+        _differences_admonition(stage, peers.load() if peers.MATRIX.exists() else None),
         "\n## Reference code\n",
         "Read from the module when the site is built: this *is* the definition.\n",
         _reference_code(module),

@@ -38,10 +38,12 @@ STATUSES = ("pass", "fail", "xfail", "skip")
 
 @dataclass(frozen=True)
 class Peer:
-    """A column of the matrix: its title and its adapter module (tests/peers/<file>.py)."""
+    """A column of the matrix: its title, its adapter module (tests/peers/<file>.py), and
+    the engine it belongs to, as the stage pages' "Differs from" notes name it."""
 
     name: str
     module: str
+    engine: str
 
     @property
     def xfails(self) -> Path:
@@ -49,14 +51,14 @@ class Peer:
 
 
 PEERS = (
-    Peer("transformers", "tests.peers.transformers_ops"),
-    Peer("transformers eager attention", "tests.peers.transformers_eager"),
-    Peer("transformers SDPA attention", "tests.peers.transformers_sdpa"),
-    Peer("PyTorch SDPA", "tests.peers.torch_sdpa"),
-    Peer("PyTorch FlexAttention", "tests.peers.torch_flex"),
-    Peer("llama.cpp", "tests.peers.llama_cpp_ops"),
-    Peer("FlashInfer", "tests.peers.flashinfer_ops"),
-    Peer("vLLM", "tests.peers.vllm_ops"),
+    Peer("transformers", "tests.peers.transformers_ops", "Hugging Face"),
+    Peer("transformers eager attention", "tests.peers.transformers_eager", "Hugging Face"),
+    Peer("transformers SDPA attention", "tests.peers.transformers_sdpa", "Hugging Face"),
+    Peer("PyTorch SDPA", "tests.peers.torch_sdpa", "PyTorch"),
+    Peer("PyTorch FlexAttention", "tests.peers.torch_flex", "PyTorch"),
+    Peer("llama.cpp", "tests.peers.llama_cpp_ops", "llama.cpp"),
+    Peer("FlashInfer", "tests.peers.flashinfer_ops", "FlashInfer"),
+    Peer("vLLM", "tests.peers.vllm_ops", "vLLM"),
 )
 
 
@@ -139,7 +141,11 @@ def cell(clause_id: str, tests: list[dict], module: str, name: str) -> dict:
     if any(t["outcome"] in ("passed", "xpassed") for t in tests):
         return {"status": "pass"}
     reasons = [
-        t.get("message", "").replace(module, name) for t in tests if t["outcome"] == "skipped"
+        t.get("message", "")
+        .replace(f"{module} does not provide operation ", f"{name} has no operation ")
+        .replace(module, name)
+        for t in tests
+        if t["outcome"] == "skipped"
     ]
     reasons += [f"its tests fail on {clause} first" for clause, _ in other_xfails]
     return {"status": "skip", "why": "; ".join(dict.fromkeys(r for r in reasons if r))}
@@ -147,7 +153,7 @@ def cell(clause_id: str, tests: list[dict], module: str, name: str) -> dict:
 
 def column(peer: Peer) -> dict:
     """Run `peer` (or say why not) and return its column of the matrix."""
-    info = {"module": peer.module, **peer_info(peer)}
+    info = {"module": peer.module, "engine": peer.engine, **peer_info(peer)}
     reason = unavailable(peer)
     if reason is not None:
         return {**info, "ran": False, "why": reason, "clauses": {}}

@@ -1,0 +1,136 @@
+"""The peer matrix (`results/peers.json`, written by `make peers`) as the site shows it.
+
+- `matrix_markdown`: the page's table, clauses down and engines across; each
+  cell links to its clause, and every cell that is not a pass carries a
+  numbered note saying why, in one sentence.
+- `Note`, `note_check` and `unexplained`: the stage pages' hand-written
+  "Differs from" notes against the runs. A note is *confirmed* when a run of
+  its engine fails or xfails one of its clauses, *contradicted* when runs of
+  its engine check all its clauses and pass them, and *unchecked* when no run
+  of its engine checks them (a GPU-only peer on a CPU machine, a clause no
+  adapter maps). A disagreement a run found that no note mentions is
+  unexplained. tests/docs/test_peer_notes.py fails on both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MATRIX = ROOT / "results" / "peers.json"
+CLAUSE_ID = re.compile(r"\b[A-Z]+(?:-[A-Z0-9]+)*-\d+\b")
+DISAGREE = ("xfail", "fail")
+
+
+def load(path: Path = MATRIX) -> dict:
+    return json.loads(path.read_text())
+
+
+def clause_link(clause_id: str, module: str) -> str:
+    """The clause's anchor on its stage page, relative to a page at the site's root."""
+    return f"stages/{module.rsplit('.', 1)[-1]}.md#{clause_id.lower()}"
+
+
+def _cell(column: dict, clause_id: str) -> tuple[str, str | None]:
+    """A column's status at a clause, and why unless it passes."""
+    if not column["ran"]:
+        return "not run", column["why"]
+    cell = column["clauses"].get(clause_id)
+    if cell is None:
+        return "skip", "no conformance test of this clause ran"
+    return cell["status"], cell.get("why", "").rstrip(".") or None
+
+
+def matrix_markdown(matrix: dict) -> str:
+    """The table and its numbered notes."""
+    peers = matrix["peers"]
+    names = list(peers)
+    notes: dict[str, int] = {}
+
+    def note(text: str) -> str:
+        number = notes.setdefault(text, len(notes) + 1)
+        return f" <sup>[{number}](#peer-note-{number})</sup>"
+
+    header = "| clause | " + " | ".join(names) + " |"
+    rows = [header, "|" + " --- |" * (len(names) + 1)]
+    for clause_id, info in matrix["clauses"].items():
+        link = clause_link(clause_id, info["module"])
+        cells = [f"[{clause_id}]({link})"]
+        for name in names:
+            status, why = _cell(peers[name], clause_id)
+            shown = "**fail**" if status == "fail" else status
+            cells.append(f"[{shown}]({link})" + (note(f"{name}: {why}.") if why else ""))
+        rows.append("| " + " | ".join(cells) + " |")
+    listing = "\n".join(f'<span id="peer-note-{n}"></span>{n}. {text}' for text, n in notes.items())
+    return "\n".join(rows) + "\n\n**Why each cell that is not a pass is so:**\n\n" + listing + "\n"
+
+
+def versions_markdown(matrix: dict) -> str:
+    """One line per peer: version, what the adapter calls, wall time of its run."""
+    lines = []
+    for name, column in matrix["peers"].items():
+        version = column.get("version", "?")
+        calls = column.get("functions", "")
+        if column["ran"]:
+            counts = ", ".join(f"{n} {s}" for s, n in column["counts"].items() if n)
+            lines.append(
+                f"- **{name}** {version} (`{column['module']}`): {calls}. "
+                f"{counts} clauses; {column['seconds']:.0f} s."
+            )
+        else:
+            lines.append(f"- **{name}** (`{column['module']}`): {calls}. Not run: {column['why']}.")
+    return "\n".join(lines) + "\n"
+
+
+def loop_markdown(matrix: dict) -> str:
+    """The llama.cpp loop comparison on the bundled model, if the run has one."""
+    loop = matrix["peers"].get("llama.cpp", {}).get("loop")
+    if not loop:
+        return "*The llama.cpp column did not run: no loop comparison in this matrix.*\n"
+    return "```json\n" + json.dumps(loop, indent=2) + "\n```\n"
+
+
+# --- "Differs from" notes against the runs ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Note:
+    """A hand-written difference: the engine it names, the clauses it concerns, its text."""
+
+    engine: str
+    clauses: tuple[str, ...]
+    text: str
+
+
+def note_check(note: Note, matrix: dict) -> tuple[str, str]:
+    """("confirmed" | "contradicted" | "unchecked", the runs that say so)."""
+    columns = {n: c for n, c in matrix["peers"].items() if c.get("engine") == note.engine}
+    found, checked = [], []
+    for name, column in columns.items():
+        for clause_id in note.clauses:
+            cell = column["clauses"].get(clause_id) if column["ran"] else None
+            if cell is None or cell["status"] == "skip":
+                continue
+            checked.append(f"{name} {cell['status']} at {clause_id}")
+            if cell["status"] in DISAGREE:
+                found.append(f"{name}: {cell['status']} at {clause_id}")
+    if found:
+        return "confirmed", "; ".join(found)
+    if checked:
+        return "contradicted", "; ".join(checked)
+    why = "; ".join(f"{n}: {c['why']}" for n, c in columns.items() if not c["ran"])
+    return "unchecked", why or f"no run of {note.engine} checks {', '.join(note.clauses)}"
+
+
+def unexplained(matrix: dict, notes: list[Note]) -> list[str]:
+    """Disagreements a run found that no note of that engine and clause mentions."""
+    covered = {(note.engine, c) for note in notes for c in note.clauses}
+    return [
+        f"{name} {cell['status']}s {clause_id}: {cell['why']}"
+        for name, column in matrix["peers"].items()
+        for clause_id, cell in column["clauses"].items()
+        if cell["status"] in DISAGREE and (column.get("engine"), clause_id) not in covered
+    ]
