@@ -234,4 +234,5 @@ FEATURES: dict[str, str] = {
     "logit_bias": "per-row logit bias in sample",
     "min_tokens": "min_tokens masking in sample",
     "penalties": "repetition, frequency and presence penalties in sample",
+    "lse": "the log-sum-exp output of paged_attention (return_lse=True)",
 }

@@ -110,6 +110,12 @@ class Implementation:
             return registry.OPERATIONS[name].module
         return self.name
 
+    def supports(self, feature: str) -> bool:
+        """Whether the implementation has `feature` (it does unless it declares otherwise)."""
+        if feature not in registry.FEATURES:
+            raise KeyError(f"unknown feature {feature}")
+        return feature not in self.unsupported
+
     def require(self, feature: str) -> None:
         """Skip the calling test if the implementation declares `feature` unsupported."""
         if feature not in registry.FEATURES:

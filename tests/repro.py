@@ -54,6 +54,8 @@ def _number(x: float | int | bool) -> str:
 
 def source(value: Any) -> str:
     """Python source that rebuilds `value` (tensors exactly, with dtype and device)."""
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":  # no data to copy
+        return f'torch.empty({tuple(value.shape)}, dtype={value.dtype}, device="meta")'
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu()
         if data.dtype in (torch.bfloat16, torch.float16):
