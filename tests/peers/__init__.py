@@ -11,7 +11,7 @@ that fails shows what the peer does.
 Beside each module, `<module>.xfails` records every disagreement a run
 found, one test a line:
 
-    tests/conformance/test_sampling.py::test_top_k_keeps_every_token_tied_at_the_boundary  # SAMPLE-TOPK-2: keeps exactly k tokens, cutting ties by position
+    tests/conformance/test_x.py::test_ties  # SAMPLE-TOPK-2: keeps exactly k tokens
 
 The reason starts with the clause the test fails on and says, in one
 sentence, what the peer does instead. Tests are never loosened to make a

@@ -137,7 +137,8 @@ def cell(clause_id: str, tests: list[dict], module: str, name: str) -> dict:
             clause, reason = _clause_of_xfail(test.get("message", ""))
             (own_xfails if clause == clause_id else other_xfails).append((clause, reason))
     if own_xfails:
-        return {"status": "xfail", "why": "; ".join(dict.fromkeys(r for _, r in own_xfails))}
+        reasons = dict.fromkeys(r.rstrip(".") for _, r in own_xfails)
+        return {"status": "xfail", "why": "; ".join(reasons)}
     if any(t["outcome"] in ("passed", "xpassed") for t in tests):
         return {"status": "pass"}
     reasons = [
@@ -147,7 +148,10 @@ def cell(clause_id: str, tests: list[dict], module: str, name: str) -> dict:
         for t in tests
         if t["outcome"] == "skipped"
     ]
-    reasons += [f"its tests fail on {clause} first" for clause, _ in other_xfails]
+    reasons += [
+        f"its tests fail on {clause} first" if clause else f"its tests fail first: {reason}"
+        for clause, reason in other_xfails
+    ]
     return {"status": "skip", "why": "; ".join(dict.fromkeys(r for r in reasons if r))}
 
 

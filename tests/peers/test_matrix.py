@@ -57,7 +57,7 @@ def test_llama_cpp_tokenizes_the_prompts_as_this_engine_does(fresh):
     committed = COMMITTED["peers"]["llama.cpp"]["loop"]
     assert loop["prompts"] and len(loop["prompts"]) == len(committed["prompts"])
     for now, then in zip(loop["prompts"], committed["prompts"], strict=True):
-        assert now["tokenizer_ids_equal"] == then["tokenizer_ids_equal"], now
+        assert now["tokenizer_equal"] == then["tokenizer_equal"], now
 
 
 def test_a_cell_says_why_it_is_not_a_pass():
