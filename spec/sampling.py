@@ -43,9 +43,9 @@ k = 0 disables it. Tokens at −inf are never kept.
 
 [SAMPLE-TOPK-2] Ties at the boundary are all kept: every token equal to the
 k-th largest value survives, so more than k tokens can survive (value-based,
-as the Hugging Face warper and FlashInfer do). Differs from engines that keep
-exactly k tokens (a sort followed by a cut, which picks among tied tokens by
-position).
+as the Hugging Face warper and FlashInfer do). Differs from llama.cpp, which
+keeps exactly k tokens (a partial sort cut at k, which picks among tied
+tokens by position).
 
 [SAMPLE-TOPP-1] top-p with 0 < p < 1 keeps token i iff
 `Σ_{j : z_j > z_i} π_j < p`, where π is the softmax over the tokens kept so
@@ -57,8 +57,8 @@ token is kept, whatever the rounding of the sums.
 
 [SAMPLE-TOPP-2] The token whose probability crosses the threshold is kept
 (the mass strictly above it is still below p), and tokens with equal logits
-are kept or dropped together. Differs from the Hugging Face warper, which
-cuts a sorted list and so can split a group of tied tokens.
+are kept or dropped together. Differs from the Hugging Face warper and
+llama.cpp, which cut a sorted list and so can split a group of tied tokens.
 
 [SAMPLE-MINP-1] min-p with 0 < m <= 1 keeps token i iff `z_i >= z_max + ln m`
 on the scaled logits; m = 0 disables it (ln 0 = −inf). Equivalently

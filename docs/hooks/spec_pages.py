@@ -75,19 +75,29 @@ STAGES = (
 # stage: (engine, text); the text names the clauses it concerns. Each is
 # checked against the peer matrix (docs/tools/peers.py).
 KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
-    "forward": [
-        (
-            "llama.cpp",
-            "GGUF files store the rows of the Q and K projections permuted for llama.cpp's "
-            "interleaved RoPE layout; this spec uses the half-split layout of Hugging Face and "
-            "the loader un-permutes them (FWD-ROPE-1).",
-        ),
-    ],
     "attention": [
         (
-            "FlashInfer",
-            "describes the pages of a batch in CSR form (`kv_indptr`, `kv_indices`, "
-            "`kv_last_page_len`) instead of a padded block table (ATTN-LAYOUT-1).",
+            "Hugging Face",
+            "`eager_attention_forward` computes the scores and the probabilities in the input "
+            "dtype (float16, bfloat16) before multiplying by V, and its softmax in float32 for "
+            "float64 inputs (ATTN-DTYPE-1).",
+        ),
+        (
+            "Hugging Face",
+            "its attention functions check only their dense query, key and value: a NaN or "
+            "infinite scale gives NaN, and mistakes surface as errors naming none of the "
+            "spec's arguments (ATTN-VALID-1).",
+        ),
+        (
+            "PyTorch",
+            "SDPA and FlexAttention check only their dense query, key and value: a NaN or "
+            "infinite scale gives NaN, and mistakes surface as errors naming query, key or "
+            "value (ATTN-VALID-1).",
+        ),
+        (
+            "PyTorch",
+            "FlexAttention raises IndexError for a sequence without keys instead of giving "
+            "zeros and a log-sum-exp of −inf (ATTN-EMPTY-1).",
         ),
     ],
     "logits": [
@@ -102,6 +112,12 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
             "adding it, so a NaN logit becomes −inf and the invalid row goes unnoticed "
             "(LOGITS-MINTOK-1).",
         ),
+        (
+            "llama.cpp",
+            "its penalties sampler counts every token accepted into its window, the prompt's "
+            "included, so the frequency and presence penalties also hit tokens seen only in "
+            "the prompt (LOGITS-FREQ-1, LOGITS-PRES-1).",
+        ),
     ],
     "softmax": [
         (
@@ -109,6 +125,12 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
             "`TemperatureLogitsWarper` divides the logits without subtracting the row's "
             "maximum: the same distribution, other values, and a tiny temperature overflows "
             "the maximum to inf (SOFTMAX-TEMP-1).",
+        ),
+        (
+            "llama.cpp",
+            "its temperature sampler divides without subtracting the maximum, and at "
+            "temperature 0 keeps the first maximum alone, every other token at −inf "
+            "(SOFTMAX-TEMP-1).",
         ),
     ],
     "sampling": [
@@ -118,9 +140,19 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
             "min-p; here the filters see the scaled logits (SAMPLE-ORDER-1).",
         ),
         (
+            "llama.cpp",
+            "which of several tokens tied at the k-th value its top-k keeps depends on their "
+            "order in the vocabulary (SAMPLE-TOPK-1).",
+        ),
+        (
+            "llama.cpp",
+            "a greedy row's processed logits keep only the first maximum, not the whole "
+            "processed row (SAMPLE-GREEDY-1); the token is the same.",
+        ),
+        (
             "Hugging Face",
             "`TopPLogitsWarper` cuts a sorted list, so of several tied maximum tokens it can "
-            "keep one, which SAMPLE-ORDER-1 forbids (SAMPLE-ORDER-1).",
+            "keep one, which SAMPLE-ORDER-1 forbids.",
         ),
     ],
 }
@@ -141,7 +173,8 @@ def peer_notes(stage: Stage | None = None) -> list[peers.Note]:
                 if engine in rest:
                     notes.append(peers.Note(engine, (clause.id,), f"Differs from{rest}"))
         for engine, text in KNOWN_DIFFERENCES.get(each.name, []):
-            notes.append(peers.Note(engine, tuple(peers.CLAUSE_ID.findall(text)), text))
+            clauses = tuple(dict.fromkeys(peers.CLAUSE_ID.findall(text)))
+            notes.append(peers.Note(engine, clauses, text))
     return notes
 
 
@@ -258,7 +291,8 @@ def _differences_admonition(stage: Stage, matrix: dict | None) -> str:
         line = f"- **{note.engine}** ({links}): {note.text}"
         if matrix is not None:
             verdict, runs = peers.note_check(note, matrix)
-            line += f" *({'seen in the peer runs' if verdict == 'confirmed' else verdict}: {runs})*"
+            seen = {"confirmed": "seen in the peer runs", "unchecked": "not run on this machine"}
+            line += f" *({seen.get(verdict, verdict)}: {runs})*"
         items.append(line)
     if not items:
         body = "No difference from Hugging Face, vLLM, FlashInfer or llama.cpp is recorded yet."

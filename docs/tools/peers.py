@@ -6,10 +6,12 @@
 - `Note`, `note_check` and `unexplained`: the stage pages' hand-written
   "Differs from" notes against the runs. A note is *confirmed* when a run of
   its engine fails or xfails one of its clauses, *contradicted* when runs of
-  its engine check all its clauses and pass them, and *unchecked* when no run
-  of its engine checks them (a GPU-only peer on a CPU machine, a clause no
-  adapter maps). A disagreement a run found that no note mentions is
-  unexplained. tests/docs/test_peer_notes.py fails on both.
+  its engine check its clauses and pass them, *unsupported* when its engine
+  ran but nothing checks its clauses, and *unchecked* when no column of its
+  engine could run on the machine (a GPU-only peer on a CPU). A disagreement
+  a run found that no note mentions is unexplained.
+  tests/docs/test_peer_notes.py fails on contradicted, unsupported and
+  unexplained.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class Note:
 
 
 def note_check(note: Note, matrix: dict) -> tuple[str, str]:
-    """("confirmed" | "contradicted" | "unchecked", the runs that say so)."""
+    """("confirmed" | "contradicted" | "unsupported" | "unchecked", the runs that say so)."""
     columns = {n: c for n, c in matrix["peers"].items() if c.get("engine") == note.engine}
     found, checked = [], []
     for name, column in columns.items():
@@ -121,8 +123,9 @@ def note_check(note: Note, matrix: dict) -> tuple[str, str]:
         return "confirmed", "; ".join(found)
     if checked:
         return "contradicted", "; ".join(checked)
-    why = "; ".join(f"{n}: {c['why']}" for n, c in columns.items() if not c["ran"])
-    return "unchecked", why or f"no run of {note.engine} checks {', '.join(note.clauses)}"
+    if any(column["ran"] for column in columns.values()) or not columns:
+        return "unsupported", f"no run of {note.engine} checks {', '.join(note.clauses)}"
+    return "unchecked", "; ".join(f"{n}: {c['why']}" for n, c in columns.items())
 
 
 def unexplained(matrix: dict, notes: list[Note]) -> list[str]:
