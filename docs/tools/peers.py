@@ -88,11 +88,31 @@ def versions_markdown(matrix: dict) -> str:
 
 
 def loop_markdown(matrix: dict) -> str:
-    """The llama.cpp loop comparison on the bundled model, if the run has one."""
+    """The llama.cpp loop comparison on the bundled model: speeds, then a row per prompt."""
     loop = matrix["peers"].get("llama.cpp", {}).get("loop")
     if not loop:
         return "*The llama.cpp column did not run: no loop comparison in this matrix.*\n"
-    return "```json\n" + json.dumps(loop, indent=2) + "\n```\n"
+    speed = loop["tokens_per_s"]
+    lines = [
+        f"Decode, greedy, {loop['threads']} threads, {len(loop['prompts'])} prompts of "
+        f"{loop['max_tokens']} tokens: **llama.cpp {speed['llama_cpp']:.1f} tokens/s**, "
+        f"**this engine {speed['ours']:.1f} tokens/s** (spec backend, float32). Tokenizer "
+        f"ids equal on {sum(p['tokenizer_equal'] for p in loop['prompts'])} of "
+        f"{len(loop['prompts'])} prompts; greedy tokens identical throughout on "
+        f"{loop['identical_generations']}.",
+        "",
+        "| prompt | same ids | tokens in lockstep | our top-2 logit gap where they part |",
+        "| --- | --- | --- | --- |",
+    ]
+    for prompt in loop["prompts"]:
+        text = json.dumps(prompt["prompt"], ensure_ascii=False)[1:-1].replace("|", "\\|")
+        agree = prompt["first_difference"]
+        lockstep = f"all {loop['max_tokens']}" if agree is None else str(agree)
+        gap = prompt.get("ours_at_difference") or {}
+        shown = f"{gap['logit_gap']:.3f}" if "logit_gap" in gap else "–"
+        same = "yes" if prompt["tokenizer_equal"] else "no"
+        lines.append(f"| `{text}` | {same} | {lockstep} | {shown} |")
+    return "\n".join(lines) + "\n"
 
 
 # --- "Differs from" notes against the runs ---------------------------------------------------

@@ -74,3 +74,6 @@ def test_the_peers_page_shows_the_matrix(built_site):
     for name in CPU_PEERS:
         assert name in page
     assert "peer-note-1" in page and 'href="../stages/sampling/#sample-topp-2"' in page
+    loop = MATRIX["peers"]["llama.cpp"]["loop"]
+    assert f"llama.cpp {loop['tokens_per_s']['llama_cpp']:.1f} tokens/s" in page
+    assert f"this engine {loop['tokens_per_s']['ours']:.1f} tokens/s" in page
