@@ -24,11 +24,12 @@ from decodespec.spec import registry
 from decodespec.spec.logits import apply_logit_processors
 from tests import oracle
 from tests.conformance.test_sampling import (
-    assert_invalid_logits_error,
+    add_processor_args,
+    assert_rows_banned_entirely,
     processor_args,
     reference_kept,
 )
-from tests.strategies import DEVICE, logits, per_row, sampling_args
+from tests.strategies import logits, sampling_args
 
 PROCESS = registry.OPERATIONS["process_logits"]
 
@@ -90,34 +91,11 @@ def test_process_logits_of_greedy_rows_keeps_every_token(impl, x, data):
 )
 @given(x=logits(dtypes=(torch.float32,)), data=st.data())
 def test_process_logits_with_processors_matches_reference(impl, x, data):
-    batch, vocab = x.shape
-    args = without_seed(data.draw(sampling_args(batch, vocab)))
-    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
-    if data.draw(st.booleans()):
-        impl.require("logit_bias")
-        args["logit_bias"] = (
-            (torch.rand(batch, vocab, generator=g) * 20 - 10)
-            * (torch.rand(batch, vocab, generator=g) < 0.2)
-        ).to(DEVICE)
-    if data.draw(st.booleans()):
-        impl.require("min_tokens")
-        args["stop_token_mask"] = (torch.rand(batch, vocab, generator=g) < 0.1).to(DEVICE)
-        args["min_tokens"] = per_row(data.draw, batch, st.integers(0, 3), torch.int64)
-        args["step"] = per_row(data.draw, batch, st.integers(0, 4), torch.int64)
-    if data.draw(st.booleans()):
-        impl.require("penalties")
-        args["prompt_mask"] = (torch.rand(batch, vocab, generator=g) < 0.3).to(DEVICE)
-        args["output_counts"] = (
-            torch.randint(0, 3, (batch, vocab), generator=g).to(torch.int32).to(DEVICE)
-        )
-        args["repetition_penalty"] = per_row(data.draw, batch, st.floats(0.5, 2.0), torch.float32)
-        args["frequency_penalty"] = per_row(data.draw, batch, st.floats(-2, 2), torch.float32)
-        args["presence_penalty"] = per_row(data.draw, batch, st.floats(-2, 2), torch.float32)
+    args = without_seed(data.draw(sampling_args(*x.shape)))
+    add_processor_args(impl, data, args, *x.shape)
     try:
         out = impl.op("process_logits")(x, **args)
     except ValueError as error:  # min_tokens may ban every finite token of a row
-        assert_invalid_logits_error(error)
-        processed = apply_logit_processors(x.double(), **processor_args(args))
-        assert error.rows == (processed == -math.inf).all(-1).nonzero().flatten().tolist()
+        assert_rows_banned_entirely(x, args, error)
         return
     assert_processed_conforms(x, args, out)

@@ -306,18 +306,8 @@ def test_sample_matches_reference(impl, x, data):
     assert_tokens_conform(x, args, tokens)
 
 
-@pytest.mark.clause(
-    "LOGITS-ORDER-1",
-    "LOGITS-BIAS-1",
-    "LOGITS-MINTOK-1",
-    "LOGITS-REP-1",
-    "LOGITS-FREQ-1",
-    "LOGITS-PRES-1",
-)
-@given(x=logits(dtypes=(torch.float32,)), data=st.data())
-def test_sample_with_processors_matches_reference(impl, x, data):
-    batch, vocab = x.shape
-    args = data.draw(sampling_args(batch, vocab))
+def add_processor_args(impl, data, args: dict, batch: int, vocab: int) -> None:
+    """Draw some of the logit processors into `args` (each skips the test if unsupported)."""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
     if data.draw(st.booleans()):
         impl.require("logit_bias")
@@ -339,12 +329,31 @@ def test_sample_with_processors_matches_reference(impl, x, data):
         args["repetition_penalty"] = per_row(data.draw, batch, st.floats(0.5, 2.0), torch.float32)
         args["frequency_penalty"] = per_row(data.draw, batch, st.floats(-2, 2), torch.float32)
         args["presence_penalty"] = per_row(data.draw, batch, st.floats(-2, 2), torch.float32)
+
+
+def assert_rows_banned_entirely(x: torch.Tensor, args: dict, error: ValueError) -> None:
+    """The error names exactly the rows whose processed logits are all −inf."""
+    assert_invalid_logits_error(error)
+    processed = apply_logit_processors(x.double(), **processor_args(args))
+    assert error.rows == (processed == -math.inf).all(-1).nonzero().flatten().tolist()
+
+
+@pytest.mark.clause(
+    "LOGITS-ORDER-1",
+    "LOGITS-BIAS-1",
+    "LOGITS-MINTOK-1",
+    "LOGITS-REP-1",
+    "LOGITS-FREQ-1",
+    "LOGITS-PRES-1",
+)
+@given(x=logits(dtypes=(torch.float32,)), data=st.data())
+def test_sample_with_processors_matches_reference(impl, x, data):
+    args = data.draw(sampling_args(*x.shape))
+    add_processor_args(impl, data, args, *x.shape)
     try:
         tokens = impl.op("sample")(x, **args)
     except ValueError as error:  # min_tokens may ban every finite token of a row
-        assert_invalid_logits_error(error)
-        processed = apply_logit_processors(x.double(), **processor_args(args))
-        assert error.rows == (processed == -math.inf).all(-1).nonzero().flatten().tolist()
+        assert_rows_banned_entirely(x, args, error)
         return
     assert_tokens_conform(x, args, tokens)
 
