@@ -270,6 +270,27 @@ def apply_penalties(
     """llama_sampler_init_penalties(n_vocab, last_n, repeat, freq, present) per row,
     after llama_sampler_accept of the row's history (module docstring)."""
     _check(logits)
+    penalties_of_row = _penalties_per_row(
+        logits, prompt_mask, output_counts, repetition_penalty, frequency_penalty, presence_penalty
+    )
+    rows = []
+    for r in range(logits.shape[0]):
+        cand = _Candidates(logits[r])
+        with _owned(penalties_of_row(r)) as sampler:
+            cand.apply(sampler)
+        rows.append(cand.logits())
+    return _as_logits(rows, logits)
+
+
+def _penalties_per_row(
+    logits: Tensor,
+    prompt_mask: Tensor,
+    output_counts: Tensor,
+    repetition_penalty: Tensor,
+    frequency_penalty: Tensor,
+    presence_penalty: Tensor,
+):
+    """`row -> a new penalties sampler fed that row's history`, the tensors read once."""
     batch, vocab = logits.shape
     for name, t in (("prompt_mask", prompt_mask), ("output_counts", output_counts)):
         if list(t.shape) != [batch, vocab]:
@@ -279,14 +300,12 @@ def apply_penalties(
     reps = _per_row("repetition_penalty", repetition_penalty, batch)
     freqs = _per_row("frequency_penalty", frequency_penalty, batch)
     pres = _per_row("presence_penalty", presence_penalty, batch)
-    rows = []
-    for r in range(batch):
-        cand = _Candidates(logits[r])
+
+    def sampler(r: int) -> object:
         history = _history(prompts[r], counts[r])
-        with _owned(_penalties_sampler(vocab, history, reps[r], freqs[r], pres[r])) as sampler:
-            cand.apply(sampler)
-        rows.append(cand.logits())
-    return _as_logits(rows, logits)
+        return _penalties_sampler(vocab, history, reps[r], freqs[r], pres[r])
+
+    return sampler
 
 
 # ---------------------------------------------------------------- the chain
@@ -315,7 +334,7 @@ def process_logits(
     step); min_tokens has no llama.cpp sampler and raises NotImplementedError."""
     del step
     _check(logits)
-    batch, vocab = logits.shape
+    batch = logits.shape[0]
     if stop_token_mask is not None or min_tokens is not None:
         raise NotImplementedError("llama.cpp has no min_tokens sampler")
     temps = _per_row("temperature", temperature, batch)
@@ -341,11 +360,7 @@ def process_logits(
             "presence_penalty must be given together"
         )
     if penalties:
-        prompts = prompt_mask.detach().cpu().numpy()
-        counts = output_counts.detach().cpu().to(torch.int64).numpy()
-        reps = _per_row("repetition_penalty", repetition_penalty, batch)
-        freqs = _per_row("frequency_penalty", frequency_penalty, batch)
-        pres = _per_row("presence_penalty", presence_penalty, batch)
+        penalties_of_row = _penalties_per_row(logits, *penalty_inputs)
     rows = []
     for r in range(batch):
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
@@ -353,10 +368,7 @@ def process_logits(
             if biases is not None:
                 llama_cpp.llama_sampler_chain_add(chain, _logit_bias_sampler(biases[r]))
             if penalties:
-                history = _history(prompts[r], counts[r])
-                llama_cpp.llama_sampler_chain_add(
-                    chain, _penalties_sampler(vocab, history, reps[r], freqs[r], pres[r])
-                )
+                llama_cpp.llama_sampler_chain_add(chain, penalties_of_row(r))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(int(ks[r])))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(ps[r], 0))
             llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(ms[r], 0))

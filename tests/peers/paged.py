@@ -3,7 +3,8 @@
 Most peers (PyTorch SDPA, flex attention, transformers' attention functions)
 take dense keys and values, one sequence (or a padded batch) at a time; none
 takes the spec's paged cache and packed queries. `paged_attention` here does
-only the layout work around a peer's function:
+only the layout work around a peer's function (`adapter` gives it the
+spec's signature):
 
 * gathers sequence b's keys and values from the pages of its block table
   row (ATTN-LAYOUT-1: position j in block `block_table[b, j // block_size]`
@@ -43,7 +44,36 @@ def gather_sequence(cache: Tensor, block_table_row: Tensor, seq_len: int) -> Ten
     return pages.flatten(0, 1)[:seq_len]
 
 
-def paged_attention(
+def adapter(attend: Attend, peer: str, lse_refusal: str | None = None) -> Callable:
+    """The operation `paged_attention`, with the spec's signature, around a peer's `attend`.
+
+    `lse_refusal`: the peer returns no log-sum-exp, and `return_lse=True`
+    raises NotImplementedError with this message. `validate` is accepted and
+    ignored: the peers have no such checks, and the glue adds none.
+    """
+
+    def paged_attention(
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_table: Tensor,
+        seq_lens: Tensor,
+        query_start: Tensor,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+        validate: bool = True,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        if return_lse and lse_refusal:
+            raise NotImplementedError(lse_refusal)
+        tensors = (q, k_cache, v_cache, block_table, seq_lens, query_start)
+        return attend_each_sequence(attend, *tensors, scale=scale, return_lse=return_lse)
+
+    paged_attention.__doc__ = f"`decodespec.spec.attention.paged_attention` computed by {peer}."
+    return paged_attention
+
+
+def attend_each_sequence(
     attend: Attend,
     q: Tensor,
     k_cache: Tensor,

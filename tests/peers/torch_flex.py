@@ -59,31 +59,4 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, scale: float | None, return
     return (out, aux.lse[0].transpose(0, 1)) if return_lse else out
 
 
-def paged_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    query_start: Tensor,
-    *,
-    scale: float | None = None,
-    return_lse: bool = False,
-    validate: bool = True,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """`decodespec.spec.attention.paged_attention` computed by flex attention.
-
-    `validate` is accepted and ignored: flex attention has no such checks,
-    and the glue adds none.
-    """
-    return paged.paged_attention(
-        _attend,
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start,
-        scale=scale,
-        return_lse=return_lse,
-    )
+paged_attention = paged.adapter(_attend, "flex attention")

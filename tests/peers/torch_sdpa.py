@@ -29,8 +29,6 @@ CONFORMANCE_UNSUPPORTED = {"lse": "scaled_dot_product_attention returns no log-s
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, scale: float | None, return_lse: bool):
-    if return_lse:
-        raise NotImplementedError("PyTorch SDPA does not return the log-sum-exp")
     q_len, seq_len = q.shape[0], keys.shape[0]
     out = scaled_dot_product_attention(
         q.transpose(0, 1)[None],  # [1, num_q_heads, q_len, head_dim]
@@ -43,36 +41,9 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, scale: float | None, return
     return out[0].transpose(0, 1)  # [q_len, num_q_heads, head_dim]
 
 
-def paged_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    query_start: Tensor,
-    *,
-    scale: float | None = None,
-    return_lse: bool = False,
-    validate: bool = True,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """`decodespec.spec.attention.paged_attention` computed by PyTorch SDPA.
-
-    `validate` is accepted and ignored: SDPA has no such checks, and the
-    glue adds none.
-    """
-    if return_lse:
-        raise NotImplementedError("PyTorch SDPA does not return the log-sum-exp")
-    return paged.paged_attention(
-        _attend,
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start,
-        scale=scale,
-        return_lse=False,
-    )
+paged_attention = paged.adapter(
+    _attend, "PyTorch SDPA", lse_refusal="PyTorch SDPA does not return the log-sum-exp"
+)
 
 
 __all__ = ["PEER", "paged_attention"]

@@ -41,8 +41,6 @@ NO_LSE = "transformers' sdpa_attention_forward does not return the log-sum-exp"
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, scale: float | None, return_lse: bool):
-    if return_lse:
-        raise NotImplementedError(NO_LSE)
     q_len, num_q_heads, _ = q.shape
     seq_len, num_kv_heads = keys.shape[0], keys.shape[1]
     # What LlamaAttention hands the function: the head ratio, eval mode, its causal flag.
@@ -71,33 +69,4 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, scale: float | None, return
     return out[0]  # already [q_len, num_q_heads, head_dim]
 
 
-def paged_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    query_start: Tensor,
-    *,
-    scale: float | None = None,
-    return_lse: bool = False,
-    validate: bool = True,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """`decodespec.spec.attention.paged_attention` computed by transformers' SDPA attention.
-
-    `validate` is accepted and ignored: the function has no such checks, and
-    the glue adds none.
-    """
-    if return_lse:
-        raise NotImplementedError(NO_LSE)
-    return paged.paged_attention(
-        _attend,
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start,
-        scale=scale,
-        return_lse=False,
-    )
+paged_attention = paged.adapter(_attend, "transformers' SDPA attention", lse_refusal=NO_LSE)
