@@ -223,6 +223,50 @@ def generate(args: argparse.Namespace) -> int:
     return 1 if out.error else 0
 
 
+# ---------------------------------------------------------------- serve
+
+
+def served_model_name(path: str | None) -> str:
+    """The name clients ask for: the file's or directory's name, without `.gguf`."""
+    model = Path(path) if path is not None else bundled_model_path()
+    return model.name.removesuffix(".gguf")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn  # only this command needs the ASGI stack
+
+    from .server import create_app
+
+    speculate, draft_path = _speculation(args.speculate)
+    if args.num_draft < 1:
+        raise ValueError(f"--num-draft must be >= 1, got {args.num_draft}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    device = _device(args.device)
+    get_backend(args.backend)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    weights, tokenizer = load_model(args.model)
+    draft_model = load_model(draft_path)[0] if draft_path is not None else None
+    engine = Engine(
+        weights.to(device),
+        tokenizer,
+        backend=args.backend,
+        cache_tokens=args.cache_tokens,
+        speculate=speculate,
+        num_draft=args.num_draft,
+        draft_model=draft_model.to(device) if draft_model is not None else None,
+    )
+    name = args.served_model_name or served_model_name(args.model)
+    print(f"serving {name} on http://{args.host}:{args.port} (viewer at /)", file=sys.stderr)
+    uvicorn.run(
+        create_app(engine, name), host=args.host, port=args.port, access_log=False,
+        log_level="warning",
+    )  # fmt: skip
+    return 0
+
+
 # ---------------------------------------------------------------- demo
 
 # A made-up next-token distribution after "The capital of France is": a few
@@ -314,6 +358,20 @@ def _parser() -> argparse.ArgumentParser:
         "--show-probs", type=int, default=0, metavar="N", help="show the top N candidates per step"
     )
     gen.set_defaults(run=generate)
+
+    srv = commands.add_parser("serve", help="an OpenAI-compatible server with a viewer page")
+    srv.add_argument("--model", help="GGUF file or Hugging Face directory (default: bundled)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", help="the model's name in the API (default: file name)")
+    srv.add_argument("--backend", choices=("spec", "triton"), default="spec")
+    srv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    srv.add_argument(
+        "--cache-tokens", type=int, default=16_384, help="KV cache capacity in positions"
+    )
+    srv.add_argument("--speculate", metavar="DRAFTER", help="as for generate")
+    srv.add_argument("--num-draft", type=int, default=4, metavar="K")
+    srv.set_defaults(run=serve)
 
     show = commands.add_parser("demo", help="the sampling stage on example logits")
     show.add_argument("--temperature", type=float, default=1.0)

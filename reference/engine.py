@@ -129,8 +129,13 @@ class Engine:
 
     # -- requests
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, arrival: float | None = None
+    ) -> int:
         """Queue a request; it joins the batch at the next step with room for it.
+
+        `arrival` (a `time.perf_counter()` reading, default now) is where its
+        time to first token starts: a server passes the moment the request came in.
 
         Raises:
             TypeError, ValueError: invalid parameters or prompt for this model
@@ -155,7 +160,7 @@ class Engine:
                 prompt_len=len(prompt_ids),
                 max_context=self.config.max_context,
             ),
-            arrival=time.perf_counter(),
+            arrival=time.perf_counter() if arrival is None else arrival,
         )
         self.scheduler.add(request)
         self.requests[request.id] = request
@@ -170,6 +175,16 @@ class Engine:
             return False
         self.scheduler.finish(request, "abort")
         return True
+
+    def release(self, request_id: int) -> RequestOutput:
+        """Forget a finished request and return its output. A long-running server
+        releases each request it is done with, so that finished requests do not
+        pile up in memory."""
+        request = self._request(request_id)
+        if request.finish_reason is None:
+            raise ValueError(f"request {request_id} has not finished: abort it first")
+        del self.requests[request_id]
+        return RequestOutput.of(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

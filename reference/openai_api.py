@@ -1,0 +1,429 @@
+"""The OpenAI API's requests and responses, mapped onto the engine's.
+
+`parse_request` turns the JSON body of `/v1/completions` or
+`/v1/chat/completions` into prompt ids and `SamplingParams`, or raises
+`APIError` naming the parameter at fault (HTTP 400, the OpenAI error object).
+Every check of a value's range is the spec's own (`SamplingParams`,
+`validate_request`); this module adds the JSON types and the API's names.
+`Responder` writes the response objects and the stream's chunks.
+
+Beyond the OpenAI fields, a request may carry decodespec's other parameters
+as extra body fields, as vLLM accepts them: `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and
+`logprobs_mode` ("raw", the default: the model's distribution; "processed":
+the one the token was drawn from, after penalties, temperature and filters).
+Each response carries two more fields: `seed` (the one used, drawn when the
+request had none) and `timing` (time to first token, inter-token latencies
+and tokens per second, measured from the moment the request arrived).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from decodespec.spec import sampling
+from decodespec.spec.generate import TokenLogprobs
+from decodespec.spec.sampling import SamplingParams
+
+from .request import Event, RequestOutput
+from .tokenizer import Tokenizer
+
+Kind = Literal["completion", "chat"]
+
+# Fields the endpoints take. OpenAI rejects a field it does not know; so does
+# this server, so that a typo ("top-p") is an error and not a silent default.
+COMMON_FIELDS = {
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
+    "seed", "frequency_penalty", "presence_penalty", "logit_bias", "n", "user",
+    # decodespec's (vLLM's) extra body fields
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "logprobs_mode",
+}  # fmt: skip
+FIELDS = {
+    "completion": COMMON_FIELDS | {"prompt", "logprobs", "echo"},
+    "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+}
+EXTRA_FIELDS = (
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "logprobs_mode",
+)  # fmt: skip
+# The default length: OpenAI's legacy completions stop at 16 tokens; a chat
+# answer runs until it ends or fills the context.
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": None}
+# JSON has no -inf: a token the filters removed ("processed" logprobs) is
+# reported at this logprob, as vLLM does.
+MIN_LOGPROB = -9999.0
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error response: the HTTP status and the OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        return {"error": {**error, "code": self.code}}
+
+
+def bad_param(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class APIRequest:
+    """A parsed request: what the engine runs and how to answer."""
+
+    kind: Kind
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    model: str
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse_request(
+    body: object, kind: Kind, *, tokenizer: Tokenizer, model: str, vocab_size: int, max_context: int
+) -> APIRequest:
+    """The body of a completions (`kind="completion"`) or chat request, checked.
+
+    Raises:
+        APIError: 400 naming the parameter at fault; 404 for another model.
+    """
+    if not isinstance(body, dict):
+        raise bad_param(None, f"the request body must be a JSON object, got {_json_kind(body)}")
+    body = {k: v for k, v in body.items() if v is not None}  # null means "not given"
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise bad_param(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+    requested = body.get("model", model)
+    if requested != model:
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist; this server serves `{model}`.",
+            param="model",
+            code="model_not_found",
+        )
+    if _get(body, "n", int, 1) != 1:
+        raise bad_param("n", f"n must be 1 (one choice per request), got {body['n']}")
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict, {})
+    if options and not stream:
+        raise bad_param("stream_options", "stream_options is only allowed when stream is true")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise bad_param("stream_options", f"stream_options has an unknown field {unknown[0]!r}")
+    include_usage = _get(options, "include_usage", bool, False, "stream_options.include_usage")
+
+    if kind == "chat":
+        prompt_ids = _chat_prompt(body, tokenizer)
+        if "max_tokens" in body and "max_completion_tokens" in body:
+            raise bad_param(
+                "max_completion_tokens", "give max_completion_tokens or max_tokens, not both"
+            )
+        length_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        logprobs = _get(body, "logprobs", bool, False)
+        top_logprobs = body.get("top_logprobs")
+        if top_logprobs is not None and not logprobs:
+            raise bad_param("top_logprobs", "top_logprobs needs logprobs set to true")
+        top_n = (top_logprobs if top_logprobs is not None else 0) if logprobs else None
+        top_name = "top_logprobs"
+    else:
+        prompt_ids = _completion_prompt(body, tokenizer)
+        length_name = "max_tokens"
+        if _get(body, "echo", bool, False):
+            raise bad_param("echo", "echo is not supported: the response holds the completion only")
+        top_n = body.get("logprobs")
+        if isinstance(top_n, bool):  # JSON true is not a count
+            raise bad_param("logprobs", f"logprobs must be an integer in [0, 20], got {top_n}")
+        logprobs = top_n is not None
+        top_name = "logprobs"
+
+    names = {"max_tokens": length_name, "top_logprobs": top_name}
+    names["prompt_token_ids"] = "messages" if kind == "chat" else "prompt"
+    stop = body.get("stop", ())
+    try:
+        params = SamplingParams(
+            temperature=body.get("temperature", 1.0),
+            top_p=body.get("top_p", 1.0),
+            frequency_penalty=body.get("frequency_penalty", 0.0),
+            presence_penalty=body.get("presence_penalty", 0.0),
+            logit_bias=_logit_bias(body.get("logit_bias", {})),
+            max_tokens=body.get(length_name, DEFAULT_MAX_TOKENS[kind]),
+            seed=body.get("seed"),
+            stop=(stop,) if isinstance(stop, str) else stop,
+            top_logprobs=top_n,
+            **{name: body[name] for name in EXTRA_FIELDS if name in body},
+        )
+        sampling.validate_request(
+            params, prompt_ids, vocab_size=vocab_size, max_context=max_context
+        )
+    except (TypeError, ValueError) as error:
+        raise refusal(error, names) from None
+    return APIRequest(kind, prompt_ids, params, stream, include_usage, logprobs, model)
+
+
+def refusal(error: Exception, names: Mapping[str, str]) -> APIError:
+    """A 400 for an error of the spec's validation, naming the API's parameter.
+
+    The spec's messages begin with the field's name ("top_p must be in (0, 1],
+    got 2"); `names` maps the fields whose API name differs.
+    """
+    message = str(error)
+    match = re.match(r"[a-z_]+", message)
+    field = match.group(0) if match else None
+    if "cache blocks" in message:  # the engine: the request could never fit the cache
+        field = "max_tokens"
+    if field not in SamplingParams.__dataclass_fields__ and field not in names:
+        field = None
+    code = "context_length_exceeded" if "context" in message else None
+    return bad_param(names.get(field, field) if field else None, message, code)
+
+
+def _get(body: Mapping, name: str, kind: type, default: object, param: str | None = None) -> Any:  # noqa: ANN401 (a JSON value)
+    """`body[name]` if it has the JSON type `kind`, `default` when absent."""
+    value = body.get(name, default)
+    wrong = isinstance(value, bool) != (kind is bool) if kind in (bool, int) else False
+    if wrong or not isinstance(value, kind):
+        expected = {bool: "a boolean", int: "an integer", dict: "an object"}[kind]
+        raise bad_param(
+            param or name, f"{param or name} must be {expected}, got {_json_kind(value)}"
+        )
+    return value
+
+
+def _json_kind(value: object) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    names |= {list: "an array", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _logit_bias(bias: object) -> dict[int, object]:
+    """JSON object keys are strings: {"50256": -100} biases token 50256."""
+    if not isinstance(bias, dict):
+        raise bad_param("logit_bias", f"logit_bias must be an object, got {_json_kind(bias)}")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.strip().isdigit()):
+            raise bad_param("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+        out[int(key)] = value
+    return out
+
+
+def _completion_prompt(body: Mapping, tokenizer: Tokenizer) -> list[int]:
+    """`prompt`: a string, or token ids; one of either in a list."""
+    if "prompt" not in body:
+        raise bad_param("prompt", "prompt is required")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise bad_param(
+                "prompt", f"prompt holds {len(prompt)} prompts: send one request per prompt"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in prompt
+    ):
+        return prompt
+    raise bad_param("prompt", "prompt must be a string or an array of token ids")
+
+
+def _chat_prompt(body: Mapping, tokenizer: Tokenizer) -> list[int]:
+    """`messages` through the model's chat template, ending with the assistant's turn."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_param("messages", "messages must be a non-empty array of messages")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_param("messages", f"messages[{i}] must be an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_param(
+                "messages", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}"
+            )
+        conversation.append({**message, "content": _content(message.get("content"), i)})
+    if tokenizer.chat_template is None:
+        raise bad_param("messages", "this model has no chat template: use /v1/completions")
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    except ValueError as error:
+        raise bad_param("messages", f"the chat template refused the messages: {error}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _content(content: object, i: int) -> str:
+    """A message's text: a string, or an array of text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise bad_param("messages", f"messages[{i}].content: only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise bad_param("messages", f"messages[{i}].content: a text part needs a text")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_param("messages", f"messages[{i}].content must be a string or an array of parts")
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Responder:
+    """The response objects of one request: chunks while it streams, or the whole."""
+
+    def __init__(self, request: APIRequest, tokenizer: Tokenizer) -> None:
+        self.request = request
+        self.tokenizer = tokenizer
+        prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts
+
+    def _object(self, chunk: bool) -> dict:
+        if self.request.kind == "chat":
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.request.model}
+
+    # -- streaming
+
+    def first_chunk(self) -> dict | None:
+        """Chat streams open with the assistant's role."""
+        if self.request.kind != "chat":
+            return None
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def chunk(self, event: Event) -> dict | None:
+        """One event as a chunk; None when it carries nothing to send."""
+        logprobs = None
+        if self.request.logprobs and event.logprobs is not None:
+            logprobs = self.logprobs([event.logprobs])
+        if not event.text and logprobs is None:
+            return None
+        if self.request.kind == "chat":
+            return self._chunk({"content": event.text}, logprobs)
+        return self._chunk(event.text, logprobs)
+
+    def last_chunk(self, output: RequestOutput) -> dict:
+        """The chunk with the finish reason, the seed and the timings."""
+        chunk = self._chunk({} if self.request.kind == "chat" else "", None)
+        chunk["choices"][0]["finish_reason"] = output.finish_reason
+        return {**chunk, **self.extensions(output)}
+
+    def usage_chunk(self, output: RequestOutput) -> dict:
+        """`stream_options.include_usage`: a last chunk with no choices and the usage."""
+        return {**self._object(chunk=True), "choices": [], "usage": usage(output)}
+
+    def _chunk(self, delta: dict | str, logprobs: dict | None) -> dict:
+        choice: dict = {"index": 0}
+        if self.request.kind == "chat":
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice |= {"logprobs": logprobs, "finish_reason": None}
+        return {**self._object(chunk=True), "choices": [choice]}
+
+    # -- whole
+
+    def response(self, output: RequestOutput) -> dict:
+        """The non-streamed response."""
+        logprobs = self.logprobs(output.logprobs or []) if self.request.logprobs else None
+        choice: dict = {"index": 0}
+        if self.request.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": output.text}
+        else:
+            choice["text"] = output.text
+        choice |= {"logprobs": logprobs, "finish_reason": output.finish_reason}
+        return {
+            **self._object(chunk=False),
+            "choices": [choice],
+            "usage": usage(output),
+            **self.extensions(output),
+        }
+
+    def extensions(self, output: RequestOutput) -> dict:
+        """decodespec's fields: the seed used and the timings."""
+        timing = {
+            "ttft_s": output.ttft_s,
+            "tokens_per_s": output.tokens_per_s,
+            "prompt_tokens_per_s": output.prompt_tokens_per_s,
+            "inter_token_latencies_s": output.inter_token_latencies_s,
+        }
+        if output.draft_tokens:
+            timing["acceptance_rate"] = output.acceptance_rate
+            timing["tokens_per_target_pass"] = output.tokens_per_target_pass
+        return {"seed": output.seed, "timing": timing}
+
+    # -- logprobs
+
+    def logprobs(self, steps: list[TokenLogprobs]) -> dict:
+        """Chat: `{"content": [...]}` with bytes and the token's rank (an extension);
+        completions: the legacy `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`."""
+        if self.request.kind == "chat":
+            content = []
+            for step in steps:
+                entry = self._token(step.token_id, step.logprob)
+                entry["top_logprobs"] = [self._token(t, lp) for t, lp in step.top]
+                entry["rank"] = step.rank
+                content.append(entry)
+            return {"content": content}
+        legacy: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for step in steps:
+            token = self._text(step.token_id)
+            legacy["tokens"].append(token)
+            legacy["token_logprobs"].append(_finite(step.logprob))
+            legacy["top_logprobs"].append({self._text(t): _finite(lp) for t, lp in step.top})
+            legacy["text_offset"].append(self.text_offset)
+            self.text_offset += len(token)
+        return legacy
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        # A token may hold part of a UTF-8 character: `bytes` is exact, `token` not.
+        raw = self.tokenizer.token_bytes(token_id) or self._text(token_id).encode()
+        return {"token": self._text(token_id), "logprob": _finite(logprob), "bytes": list(raw)}
+
+
+def usage(output: RequestOutput) -> dict:
+    total = output.prompt_tokens + output.completion_tokens
+    return {
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": output.completion_tokens,
+        "total_tokens": total,
+    }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
