@@ -13,6 +13,7 @@ kernels, so the event loop stays responsive while a pass runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -178,6 +179,8 @@ class EngineLoop:
     def _finish(self, stream: Stream, event: Event) -> None:
         del self._streams[stream.request_id]
         output = self.engine.release(stream.request_id)
+        if event.error is not None and output.error is None:  # ended by the loop itself
+            output = dataclasses.replace(output, finish_reason="error", error=event.error)
         _call(stream._loop, stream._put, event, output)
 
     def _shut_down(self) -> None:

@@ -201,7 +201,12 @@ def refusal(error: Exception, names: Mapping[str, str]) -> APIError:
     if field not in SamplingParams.__dataclass_fields__ and field not in names:
         field = None
     code = "context_length_exceeded" if "context" in message else None
-    return bad_param(names.get(field, field) if field else None, message, code)
+    if field is None:
+        return bad_param(None, message, code)
+    param = names.get(field, field)
+    if message.startswith(field):  # say it the way the client did
+        message = param + message[len(field) :]
+    return bad_param(param, message, code)
 
 
 def _get(body: Mapping, name: str, kind: type, default: object, param: str | None = None) -> Any:  # noqa: ANN401 (a JSON value)

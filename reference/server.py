@@ -68,7 +68,7 @@ def create_app(engine: Engine, model: str) -> Starlette:
         Route("/", server.viewer, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.one_model, methods=["GET"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
@@ -114,7 +114,7 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
-    async def model(self, request: Request) -> Response:
+    async def one_model(self, request: Request) -> Response:
         name = request.path_params["model"]
         if name != self.model:
             raise APIError(
