@@ -123,20 +123,20 @@ BAD_CHATS = [
         400,
         "max_completion_tokens",
         None,
-    ),  # fmt: skip
+    ),
     ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
     (
         {"messages": CHAT, "max_completion_tokens": 500},
         400,
         "max_completion_tokens",
         "context_length_exceeded",
-    ),  # fmt: skip
+    ),
     (
         {"messages": [{"role": "user", "content": "x" * 200}]},
         400,
         "messages",
         "context_length_exceeded",
-    ),  # fmt: skip
+    ),
     ({"prompt": "hi"}, 400, "prompt", None),  # a completions field
 ]
 
@@ -267,12 +267,20 @@ def test_a_request_that_fails_mid_stream_gets_an_error_event_and_others_finish(c
 
 # ---------------------------------------------------------------- no 500 from user input
 
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    JSON_SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
     max_leaves=6,
-)  # fmt: skip
+)
 
 
 @st.composite

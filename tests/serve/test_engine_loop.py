@@ -119,7 +119,7 @@ def test_a_refused_request_raises_at_submit_and_the_loop_serves_on(weights):
         finally:
             loop.close()
 
-    tokens, output = asyncio.run(main())
+    tokens, _ = asyncio.run(main())
     assert tokens == alone(weights, [1, 2], params(0))
 
 
