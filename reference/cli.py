@@ -12,6 +12,7 @@ import argparse
 import io
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -246,6 +247,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     device = _device(args.device)
     get_backend(args.backend)
+    listening = _listen(args.host, args.port)  # a taken port fails now, not after loading
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     weights, tokenizer = load_model(args.model)
     draft_model = load_model(draft_path)[0] if draft_path is not None else None
@@ -259,12 +261,25 @@ def serve(args: argparse.Namespace) -> int:
         draft_model=draft_model.to(device) if draft_model is not None else None,
     )
     name = args.served_model_name or served_model_name(args.model)
-    print(f"serving {name} on http://{args.host}:{args.port} (viewer at /)", file=sys.stderr)
-    uvicorn.run(
-        create_app(engine, name), host=args.host, port=args.port, access_log=False,
-        log_level="warning",
-    )  # fmt: skip
+    host, port = listening.getsockname()[:2]
+    print(f"serving {name} on http://{host}:{port} (viewer at /)", file=sys.stderr)
+    config = uvicorn.Config(
+        create_app(engine, name), access_log=False, log_level="warning", lifespan="on"
+    )
+    uvicorn.Server(config).run(sockets=[listening])
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or a ValueError saying why not."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listening = socket.socket(family, kind, proto)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(address)
+    except OSError as error:
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return listening
 
 
 # ---------------------------------------------------------------- demo
