@@ -130,12 +130,18 @@ class Engine:
     # -- requests
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, arrival: float | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        arrival: float | None = None,
+        num_draft: int | None = None,
     ) -> int:
         """Queue a request; it joins the batch at the next step with room for it.
 
         `arrival` (a `time.perf_counter()` reading, default now) is where its
         time to first token starts: a server passes the moment the request came in.
+        `num_draft` caps this request's drafts per step below the engine's K
+        (0: no speculation for it); only an engine with a drafter takes one > 0.
 
         Raises:
             TypeError, ValueError: invalid parameters or prompt for this model
@@ -148,6 +154,14 @@ class Engine:
             vocab_size=self.config.vocab_size,
             max_context=self.config.max_context,
         )
+        if num_draft is not None:
+            _check_int("num_draft", num_draft, 0)
+            if num_draft > 0 and self.speculator is None:
+                raise ValueError(
+                    "num_draft: this engine has no drafter (it was built without speculate)"
+                )
+            if num_draft > self.num_draft:
+                raise ValueError(f"num_draft must be in [0, {self.num_draft}], got {num_draft}")
         params = sampling.resolve_seed(params, self.generator)
         request = Request(
             id=self._next_id,
@@ -161,6 +175,7 @@ class Engine:
                 max_context=self.config.max_context,
             ),
             arrival=time.perf_counter() if arrival is None else arrival,
+            num_draft=num_draft,
         )
         self.scheduler.add(request)
         self.requests[request.id] = request

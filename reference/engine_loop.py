@@ -62,6 +62,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float
+    num_draft: int | None
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future[Stream]
 
@@ -91,10 +92,14 @@ class EngineLoop:
         return self._thread.is_alive()
 
     async def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, arrival: float | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        arrival: float | None = None,
+        num_draft: int | None = None,
     ) -> Stream:
         """Queue a request; its `Stream` once the engine has accepted it. `arrival`
-        (`time.perf_counter()`, default now) starts its time to first token.
+        and `num_draft` are `Engine.add_request`'s.
 
         Raises:
             TypeError, ValueError: the engine refused the request (`Engine.add_request`).
@@ -105,7 +110,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[Stream] = loop.create_future()
         arrival = time.perf_counter() if arrival is None else arrival
-        self._send(_Add(list(prompt_ids), params, arrival, loop, accepted))
+        self._send(_Add(list(prompt_ids), params, arrival, num_draft, loop, accepted))
         return await accepted
 
     def abort(self, request_id: int) -> None:
@@ -158,7 +163,9 @@ class EngineLoop:
 
     def _add(self, add: _Add) -> None:
         try:
-            request_id = self.engine.add_request(add.prompt_ids, add.params, add.arrival)
+            request_id = self.engine.add_request(
+                add.prompt_ids, add.params, add.arrival, add.num_draft
+            )
         except (TypeError, ValueError) as error:
             _call(add.loop, self._settle, add.accepted, None, error)
             return

@@ -11,7 +11,9 @@ Beyond the OpenAI fields, a request may carry decodespec's other parameters
 as extra body fields, as vLLM accepts them: `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` and
 `logprobs_mode` ("raw", the default: the model's distribution; "processed":
-the one the token was drawn from, after penalties, temperature and filters).
+the one the token was drawn from, after penalties, temperature and filters),
+and, on a server started with a drafter (`--speculate`), `num_draft`: at
+most this many draft tokens per step for the request (0: none).
 Each response carries two more fields: `seed` (the one used, drawn when the
 request had none) and `timing` (time to first token, inter-token latencies
 and tokens per second, measured from the moment the request arrived).
@@ -43,7 +45,7 @@ COMMON_FIELDS = {
     "seed", "frequency_penalty", "presence_penalty", "logit_bias", "n", "user",
     # decodespec's (vLLM's) extra body fields
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "logprobs_mode",
+    "logprobs_mode", "num_draft",
 }  # fmt: skip
 FIELDS = {
     "completion": COMMON_FIELDS | {"prompt", "logprobs", "echo"},
@@ -101,6 +103,7 @@ class APIRequest:
     include_usage: bool
     logprobs: bool
     model: str
+    num_draft: int | None = None  # speculative decoding: this request's cap on drafts
 
 
 # ---------------------------------------------------------------- parsing
@@ -184,7 +187,12 @@ def parse_request(
         )
     except (TypeError, ValueError) as error:
         raise refusal(error, names) from None
-    return APIRequest(kind, prompt_ids, params, stream, include_usage, logprobs, model)
+    num_draft = body.get("num_draft")
+    if num_draft is not None and (
+        not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 0
+    ):
+        raise bad_param("num_draft", f"num_draft must be an integer >= 0, got {num_draft!r}")
+    return APIRequest(kind, prompt_ids, params, stream, include_usage, logprobs, model, num_draft)
 
 
 def refusal(error: Exception, names: Mapping[str, str]) -> APIError:
@@ -198,7 +206,8 @@ def refusal(error: Exception, names: Mapping[str, str]) -> APIError:
     field = match.group(0) if match else None
     if "cache blocks" in message:  # the engine: the request could never fit the cache
         field = "max_tokens"
-    if field not in SamplingParams.__dataclass_fields__ and field not in names:
+    known = field in SamplingParams.__dataclass_fields__ or field in names or field == "num_draft"
+    if not known:
         field = None
     code = "context_length_exceeded" if "context" in message else None
     if field is None:

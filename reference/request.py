@@ -38,6 +38,7 @@ class Request:
     params: SamplingParams
     stop: StopChecker
     arrival: float
+    num_draft: int | None = None  # this request's cap on drafts per step (None: the engine's)
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose K/V are in the cache
     draft_cached: int = 0  # positions a second-model drafter has cached

@@ -155,7 +155,7 @@ class OpenAIServer:
         if self.loop is None:
             raise APIError(503, "the engine is not running", type="server_error")
         try:
-            return await self.loop.submit(api.prompt_ids, api.params, arrival)
+            return await self.loop.submit(api.prompt_ids, api.params, arrival, api.num_draft)
         except (TypeError, ValueError) as error:  # the engine's own refusal (cache size)
             raise refusal(error, {}) from None
         except RuntimeError as error:

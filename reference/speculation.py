@@ -82,7 +82,8 @@ class Speculator:
                 r.draft_pause -= 1
                 counts.append(0)
                 continue
-            count = min(self.num_draft, self.config.max_context - r.length - 1)
+            limit = self.num_draft if r.num_draft is None else r.num_draft
+            count = min(limit, self.config.max_context - r.length - 1)
             if r.params.max_tokens is not None:
                 count = min(count, r.params.max_tokens - len(r.output_ids) - 1)
             if count > 0 and not self.grow(r, r.length + count):

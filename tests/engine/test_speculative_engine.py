@@ -144,6 +144,26 @@ def test_full_depth_self_speculation_accepts_every_draft():
     assert out.draft_tokens == out.accepted_tokens == 12
 
 
+@pytest.mark.parametrize(("num_draft", "passes"), [(0, 17), (1, 9), (2, 6), (3, 5)])
+def test_a_request_caps_its_own_drafts(num_draft, passes):
+    """`add_request(num_draft=k)`: at most k drafts a step for that request (0: none),
+    below the engine's K; the tokens are the same (greedy)."""
+    weights = random_weights(small_config(num_layers=2), seed=4)
+    engine = Engine(weights, ByteTokenizer(), speculate="layers:2", num_draft=3)
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    request = engine.add_request(list(b"hello"), params, num_draft=num_draft)
+    drain(engine)
+    out = engine.output(request)
+    assert out.token_ids == plain_run(weights, ByteTokenizer(), list(b"hello"), params).token_ids
+    assert out.completion_tokens / out.tokens_per_target_pass == passes
+    assert out.draft_tokens == 17 - passes
+    with pytest.raises(ValueError, match=r"num_draft must be in \[0, 3\]"):
+        engine.add_request([1], params, num_draft=4)
+    plain = Engine(weights, ByteTokenizer())
+    with pytest.raises(ValueError, match="no drafter"):
+        plain.add_request([1], params, num_draft=1)
+
+
 def test_drafts_wait_for_room_in_the_cache():
     """No free block for A's drafts while B holds its blocks: A decodes plainly that
     step, drafts once B is gone, and both finish with plain greedy's tokens."""

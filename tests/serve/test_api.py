@@ -98,6 +98,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
     ({"prompt": "hi", "logprobs_mode": "cooked"}, 400, "logprobs_mode", None),
     ({"prompt": "hi", "echo": True}, 400, "echo", None),
+    ({"prompt": "hi", "num_draft": 2}, 400, "num_draft", None),  # no drafter on this server
+    ({"prompt": "hi", "num_draft": -1}, 400, "num_draft", None),
+    ({"prompt": "hi", "num_draft": "2"}, 400, "num_draft", None),
     ({"prompt": [99999]}, 400, "prompt", None),
     ({"prompt": [1.5]}, 400, "prompt", None),
     ({"prompt": ""}, 400, "prompt", None),
@@ -263,6 +266,22 @@ def test_a_request_that_fails_mid_stream_gets_an_error_event_and_others_finish(c
     assert fine["choices"][0]["finish_reason"] == "length"
     assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
     assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+
+
+def test_speculation_per_request_on_a_server_with_a_drafter(weights):
+    """`num_draft` caps a request's drafts (0: none); the text is the same either way
+    (greedy), and the timing reports the drafts' acceptance."""
+    engine = Engine(weights, ChatByteTokenizer(), cache_tokens=1024, speculate="ngram", num_draft=3)
+    body = {"prompt": "abcabcabcabc", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    with TestClient(create_app(engine, MODEL)) as client:
+        plain = client.post("/v1/completions", json={**body, "num_draft": 0}).json()
+        drafted = client.post("/v1/completions", json={**body, "num_draft": 2}).json()
+        check_error(
+            client.post("/v1/completions", json={**body, "num_draft": 4}), 400, "num_draft", None
+        )
+    assert "acceptance_rate" not in plain["timing"]
+    assert "acceptance_rate" in drafted["timing"]
+    assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
 # ---------------------------------------------------------------- no 500 from user input
