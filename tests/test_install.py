@@ -113,6 +113,16 @@ def test_the_wheel_holds_only_the_decodespec_namespace(installed):
     (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(installed.wheel).read(entry_points).decode()
     assert "decodespec = decodespec.reference.__main__:main" in text
+    # the server's viewer page is package data: `decodespec serve` answers GET / with it
+    assert "decodespec/reference/static/viewer.html" in files
+
+
+def test_installed_server_has_its_viewer_page(installed):
+    code = (
+        "from decodespec.reference.server import VIEWER; "
+        "assert '<html' in VIEWER.read_text().lower(); print('ok')"
+    )
+    assert run([str(installed.python), "-c", code], installed.outside).strip() == "ok"
 
 
 def test_installed_beside_hugging_face_kernels(installed):
