@@ -169,6 +169,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def live_server():
+    """A live `decodespec serve` of the bundled model, named "smollm2", on a free
+    127.0.0.1 port (`tests/serve/live.py`): one per session, shared by the server's
+    tests and the Serve page's examples; loaded only when a test asks for it."""
+    from tests.serve.live import LiveServer
+
+    with LiveServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def impl(pytestconfig: pytest.Config) -> Implementation:
     return pytestconfig._decodespec_impl
 
