@@ -1,0 +1,227 @@
+"""The token-probability viewer (`GET /`) in a real browser, against the live server.
+
+Debian's Chromium, driven by Playwright (never a browser Playwright downloads;
+without Chromium the tests fail, they are not skipped), opens the page the
+server serves, generates a greedy answer and checks that:
+
+- the page asks nothing of any host but the server, and logs no console error;
+- the answer streams in token by token (the count of token spans grows);
+- the spans are the real tokens: their text is the text the server answers
+  for the same request, not streamed;
+- hovering a token shows its candidates, the chosen one marked, with its rank;
+- TTFT and tokens/s show numbers, and the page renders (a screenshot with
+  many colours);
+- a bad parameter (top_p = 5) shows the server's error, naming top_p.
+
+`tests/serve/viewer_screenshot.py` holds the steps (and makes the docs' picture).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+from tests.docs.test_browser import (
+    CHROMIUM,
+    MIN_DISTINCT_COLOURS,
+    distinct_colours,
+    missing_chromium_message,
+)
+from tests.serve.live import MODEL, LiveServer
+from tests.serve.viewer_screenshot import (
+    VIEWPORT,
+    capture,
+    chromium,
+    generate,
+    hover_token,
+    open_viewer,
+)
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Page, Route
+
+PROMPT = "Name three colours."
+MAX_TOKENS = 12
+PAGE_TIMEOUT_MS = 30_000
+
+# Records the number of token spans each time #output changes, until the status says done.
+COUNT_TOKENS_JS = """() => {
+  window.__tokenCounts = [];
+  const output = document.querySelector("#output");
+  const status = document.querySelector("#status");
+  new MutationObserver(() => {
+    if (status.textContent !== "done") {
+      window.__tokenCounts.push(output.querySelectorAll(".token").length);
+    }
+  }).observe(output, { childList: true, subtree: true });
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """The system's Chromium; the test fails (is not skipped) without it."""
+    if not CHROMIUM.is_file():
+        pytest.fail(missing_chromium_message(CHROMIUM), pytrace=False)
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.fail("The browser test needs Playwright: pip install -e '.[docs]'", pytrace=False)
+    with chromium() as launched:
+        yield launched
+
+
+@dataclass
+class Viewer:
+    """A page of a fresh browser context, with what went wrong on it."""
+
+    page: Page
+    context: BrowserContext
+    problems: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def viewer(browser: Browser, live_server: LiveServer) -> Iterator[Viewer]:
+    """A page whose requests may go to the live server only (others are aborted and
+    recorded), and whose console errors, script errors and failed requests are recorded."""
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    page.set_default_timeout(PAGE_TIMEOUT_MS)
+    seen = Viewer(page, context)
+
+    def route(route: Route) -> None:
+        url = route.request.url
+        if url.startswith(live_server.url + "/"):
+            route.continue_()
+        else:
+            seen.foreign.append(url)
+            route.abort()
+
+    def on_console(message: ConsoleMessage) -> None:
+        if message.type == "error":
+            seen.problems.append(f"console error: {message.text} ({message.location})")
+
+    def on_request(request: object) -> None:
+        url = request.url  # type: ignore[attr-defined]
+        if not url.startswith(live_server.url + "/") and not url.startswith("data:"):
+            seen.foreign.append(url)
+
+    context.route("**/*", route)
+    page.on("request", on_request)
+    page.on("console", on_console)
+    page.on("pageerror", lambda error: seen.problems.append(f"script error: {error}"))
+    page.on(
+        "requestfailed",
+        lambda request: seen.problems.append(f"request failed: {request.url} ({request.failure})"),
+    )
+    try:
+        yield seen
+    finally:
+        context.close()
+
+
+def server_answer(live_server: LiveServer, prompt: str, max_tokens: int) -> str:
+    """The server's own, non-streamed greedy answer to the request the page sends."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": False,
+        "temperature": 0,
+        "top_p": 1,
+        "top_k": 0,
+        "max_tokens": max_tokens,
+    }
+    response = httpx.post(f"{live_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def percent(text: str) -> float:
+    """The probability a candidate row shows ("12.5%", "<0.01%", ">99.9%")."""
+    match = re.search(r"([<>]?)(\d+(?:\.\d+)?)%", text)
+    assert match, f"no percentage in {text!r}"
+    return float(match.group(2)) / 100
+
+
+def test_viewer_streams_the_real_tokens(viewer: Viewer, live_server: LiveServer, tmp_path: Path):
+    page = viewer.page
+    open_viewer(page, live_server.url)
+    assert page.inner_text("#model") == MODEL
+    page.evaluate(COUNT_TOKENS_JS)
+
+    status = generate(page, PROMPT, temperature=0, top_k=0, top_p=1, max_tokens=MAX_TOKENS)
+    assert status == "done"
+
+    # The answer streamed in: the page showed many different token counts before done.
+    counts = page.evaluate("window.__tokenCounts")
+    assert len(set(counts) - {0}) >= 3, f"the tokens did not stream in one by one: {counts}"
+
+    spans = page.locator("#output .token")
+    count = spans.count()
+    assert 3 <= count <= MAX_TOKENS
+    assert page.inner_text("#count") == str(MAX_TOKENS)
+    assert "length" in page.inner_text("#finish")
+    assert re.fullmatch(r"\d+", page.inner_text("#seed-used"))
+
+    # The spans are the real tokens: together they are the server's answer.
+    text = page.eval_on_selector("#output", "output => output.textContent")
+    assert text == server_answer(live_server, PROMPT, MAX_TOKENS)
+
+    # Greedy: every token is the most likely one, with a probability in (0, 1].
+    for i in range(count):
+        prob = float(spans.nth(i).get_attribute("data-prob") or "nan")
+        assert 0 < prob <= 1, f"token {i}: data-prob {prob}"
+        assert spans.nth(i).get_attribute("data-rank") == "1"
+
+    # Hovering the first token shows its candidates, the chosen one marked.
+    panel = hover_token(page, 0)
+    rows = panel.locator(".candidate")
+    assert rows.count() >= 2
+    probs = [percent(rows.nth(i).inner_text()) for i in range(rows.count())]
+    assert all(0 <= p <= 1 for p in probs) and sum(probs) <= 1.01, probs
+    assert probs == sorted(probs, reverse=True)
+    chosen = panel.locator(".candidate.chosen")
+    assert chosen.count() == 1
+    first = float(spans.first.get_attribute("data-prob") or "nan")
+    assert math.isclose(float(chosen.get_attribute("data-prob") or "nan"), first, rel_tol=1e-6)
+    assert "rank 1" in panel.inner_text()
+
+    # The timings are numbers (the server's, once the last chunk came).
+    assert re.search(r"\d+ ms", page.inner_text("#ttft"))
+    assert re.search(r"\d+(\.\d+)?", page.inner_text("#tps"))
+
+    png = page.screenshot(path=tmp_path / "viewer.png")
+    colours = distinct_colours(png, limit=MIN_DISTINCT_COLOURS)
+    assert colours >= MIN_DISTINCT_COLOURS, f"the screenshot has only {colours} colours"
+
+    assert viewer.foreign == [], f"requests to other hosts: {viewer.foreign}"
+    assert viewer.problems == [], "\n".join(viewer.problems)
+
+
+def test_viewer_shows_the_servers_error(viewer: Viewer, live_server: LiveServer):
+    page = viewer.page
+    open_viewer(page, live_server.url)
+    status = generate(page, PROMPT, temperature=0, top_p=5, max_tokens=MAX_TOKENS)
+    assert "top_p" in status
+    assert "error" in (page.get_attribute("#status", "class") or "")
+    assert "invalid" in (page.get_attribute("#top-p", "class") or "")
+    assert page.locator("#output .token").count() == 0
+    assert viewer.foreign == [], f"requests to other hosts: {viewer.foreign}"
+    # The 400 itself is the one console error a failed fetch logs; nothing else.
+    others = [p for p in viewer.problems if "status of 400" not in p]
+    assert others == [], "\n".join(others)
+
+
+def test_capture_saves_a_picture(browser: Browser, live_server: LiveServer, tmp_path: Path):
+    """The docs' screenshot script works: a sampled answer, a token's candidates shown."""
+    path = tmp_path / "viewer.png"
+    png = capture(live_server.url, path, max_tokens=16, browser=browser)
+    assert path.read_bytes() == png
+    assert distinct_colours(png, limit=MIN_DISTINCT_COLOURS) >= MIN_DISTINCT_COLOURS
