@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import secrets
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -142,6 +144,11 @@ class OpenAIServer:
                 vocab_size=self.engine.config.vocab_size,
                 max_context=self.engine.config.max_context,
             )
+            if api.params.seed is None:
+                # The seed is reported back; JavaScript reads JSON numbers as doubles, so
+                # draw it below 2**53, where every client gets exactly the seed used.
+                params = dataclasses.replace(api.params, seed=secrets.randbits(53))
+                api = dataclasses.replace(api, params=params)
             stream = await self._submit(api, arrival)
         except APIError as error:
             log.info("%s %d %s (param %s)", route, error.status, error.message, error.param)

@@ -71,7 +71,8 @@ def test_a_seed_reproduces_the_same_sampled_text(client):
     assert first.choices[0].message.content == again.choices[0].message.content
     assert first.model_extra["seed"] == 1234
     unseeded = client.chat.completions.create(model=MODEL, **kwargs)
-    assert isinstance(unseeded.model_extra["seed"], int)  # drawn, and reported
+    seed = unseeded.model_extra["seed"]  # drawn, and reported exactly even to JavaScript
+    assert isinstance(seed, int) and 0 <= seed < 2**53
 
 
 def test_a_stop_string_ends_the_answer_before_it(client):
