@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	@python3 -m venv $(VENV) || { \
@@ -93,6 +93,11 @@ bench-cpu: $(STAMP)
 # CPU benchmark of speculative decoding against plain cached decode: results/cpu-speculative.json
 bench-speculative: $(STAMP)
 	$(PY) -m tests.benchmarks.speculative
+
+# CPU benchmark of `decodespec serve` under 1, 4 and 16 concurrent streaming clients
+# (TTFT, inter-token latency, tokens/s; about two minutes): results/serve-cpu.json
+bench-serve: $(STAMP)
+	$(PY) -m tests.benchmarks.serve
 
 # GPU benchmark of the paged attention kernel against its peers: results/attention-gpu.json
 bench-attention: $(STAMP)

@@ -3,7 +3,8 @@
 Without CUDA a GPU benchmark refuses before doing any work; `--smoke` runs it
 on tiny shapes in the Triton interpreter and writes a results file of the real
 run's form. The CPU benchmark of speculative decoding runs its `--smoke` on a
-tiny random model.
+tiny random model; the serving benchmark's `--smoke` serves the bundled model
+to a few clients for a few tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ PEERS = {"sdpa", "flex_attention", "flashinfer"}
 SAMPLING = [sys.executable, "-m", "tests.benchmarks.sampling"]
 SAMPLING_PEERS = {"sort_based", "flashinfer"}
 SPECULATIVE = [sys.executable, "-m", "tests.benchmarks.speculative"]
+SERVE = [sys.executable, "-m", "tests.benchmarks.serve"]
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
@@ -154,3 +156,37 @@ def test_speculative_benchmark_smoke(tmp_path):
 
     section = speculative_section(report)
     assert "Smoke run" in section and "| plain | – | 1.00 |" in section
+
+
+def test_serve_benchmark_smoke(tmp_path):
+    """Concurrency 1, 4 and 16 against a live server, the in-process baseline, the targets."""
+    from docs.tools.performance import serve_section
+
+    out = tmp_path / "results" / "serve-cpu.json"
+    result = run([*SERVE, "--smoke", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and "not measurements" in report["note"]
+    header = {"benchmark", "command", "date", "device", "cores", "threads", "software", "model"}
+    assert header | {"statistic", "runs", "in_process_tokens_per_s", "targets"} <= set(report)
+    assert {"python", "torch", "starlette", "uvicorn", "httpx"} <= set(report["software"])
+    assert report["command"].startswith("python -m tests.benchmarks.serve --smoke")
+
+    assert [row["concurrency"] for row in report["runs"]] == [1, 4, 16]
+    for row in report["runs"]:
+        assert str(row["concurrency"]) in result.stdout
+        assert row["completed"] == row["requests"] and row["failed"] == 0
+        assert row["output_tokens"] == row["requests"] * report["max_tokens"]
+        for key in ("duration_s", "output_tokens_per_s"):
+            assert is_finite_number(row[key]) and row[key] > 0, key
+        for figures in (row["ttft_ms"], row["itl_ms"]):
+            assert set(figures) == {"mean", "p50", "p99"}
+            assert all(is_finite_number(v) and v > 0 for v in figures.values()), figures
+            assert figures["p50"] <= figures["p99"]
+    assert is_finite_number(report["in_process_tokens_per_s"])
+    assert len(report["targets"]) == 2
+    assert all(target["met"] in (True, False) for target in report["targets"])
+
+    section = serve_section(report)
+    assert "Smoke run" in section and "| 16 | 16 |" in section
+    assert "in-process" in section and report["date"] in section

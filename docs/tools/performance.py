@@ -17,6 +17,7 @@ CPU_FILE = "cpu-engine.json"
 ATTENTION_FILE = "attention-gpu.json"
 SAMPLING_FILE = "sampling-gpu.json"
 SPECULATIVE_FILE = "cpu-speculative.json"
+SERVE_FILE = "serve-cpu.json"
 ATTENTION_FIGURE = f"{FIGURES}/attention-bandwidth.svg"
 SAMPLING_FIGURE = f"{FIGURES}/sampling-one-read.svg"
 NAIVE_FIGURE = f"{FIGURES}/naive-vs-cached.svg"
@@ -208,6 +209,64 @@ def speculative_section(report: dict | None) -> str:
     )
 
 
+# ---------------------------------------------------------------- serving
+
+
+def milliseconds(figures: dict) -> str:
+    """The p50 and p99 of a latency, in whole milliseconds: "p50 / p99"."""
+    return " / ".join("–" if figures[q] is None else f"{figures[q]:.0f}" for q in ("p50", "p99"))
+
+
+def serve_section(report: dict | None) -> str:
+    """`decodespec serve` under 1, 4 and 16 concurrent streaming clients."""
+    heading = "## Serving on a CPU\n\n"
+    if report is None:
+        return heading + not_measured(SERVE_FILE, "make bench-serve").replace(" on a GPU", "")
+    environment = {
+        **report["software"],
+        "device": f"{report['device']}, {report['cores']} cores, {report['threads']} threads",
+        "date": report["date"],
+    }
+    rows = [
+        [
+            str(run["concurrency"]),
+            str(run["requests"]),
+            f"{run['output_tokens_per_s']:.1f}",
+            milliseconds(run["ttft_ms"]),
+            milliseconds(run["itl_ms"]),
+        ]
+        for run in report["runs"]
+    ]
+    http = ", ".join(
+        f"{name} {report['software'][name]}"
+        for name in ("starlette", "uvicorn", "httpx")
+        if report["software"].get(name)
+    )
+    return (
+        heading
+        + smoke_warning(report)
+        + f"{measured_on(environment, report['command'])}"
+        + (f" **HTTP:** {http}." if http else "")
+        + "\n\n"
+        + f"Model: {report['model']}. Clients: {report['client']}. Each request: "
+        + f"{report['sampling']}, {report['max_tokens']} new tokens, one of "
+        + f"{report['prompts']} short prompts; statistic: {report['statistic']}.\n\n"
+        + "In the style of vLLM's `benchmark_serving`: output tok/s is every output token "
+        + "over the run's wall time; TTFT runs from sending a request to the first chunk "
+        + "that carries text; ITL is the gap between such chunks (p50 / p99, in "
+        + "milliseconds, as the client sees them).\n\n"
+        + table(
+            ["concurrency", "requests", "output tok/s", "TTFT p50 / p99 ms", "ITL p50 / p99 ms"],
+            rows,
+        )
+        + "\n\nThe engine itself, driven in-process with the same "
+        + f"{report['in_process_concurrency']} requests added at once (best of its rounds): "
+        + f"{report['in_process_tokens_per_s']:.1f} tok/s.\n\n"
+        + "### Targets\n\n"
+        + targets_list(report["targets"])
+    )
+
+
 # ---------------------------------------------------------------- GPU kernels
 
 
@@ -282,6 +341,7 @@ def performance_page(results_dir: Path = RESULTS_DIR) -> str:
     sections = [
         cpu_section(read_json(results_dir / CPU_FILE)),
         speculative_section(read_json(results_dir / SPECULATIVE_FILE)),
+        serve_section(read_json(results_dir / SERVE_FILE)),
         attention_section(read_json(results_dir / ATTENTION_FILE)),
         sampling_section(read_json(results_dir / SAMPLING_FILE)),
     ]

@@ -187,11 +187,53 @@ def synthetic_sampling() -> dict:
     }
 
 
+def synthetic_serve() -> dict:
+    """The structure `tests/benchmarks/serve.py` writes, with made-up numbers."""
+
+    def run(concurrency: int, tokens_per_s: float, ttft: float, itl: float) -> dict:
+        return {
+            "concurrency": concurrency,
+            "requests": 2 * concurrency,
+            "completed": 2 * concurrency,
+            "output_tokens": 64 * concurrency,
+            "duration_s": 64 * concurrency / tokens_per_s,
+            "output_tokens_per_s": tokens_per_s,
+            "ttft_ms": {"mean": ttft, "p50": ttft, "p99": 2 * ttft},
+            "itl_ms": {"mean": itl, "p50": itl, "p99": 1.5 * itl},
+        }
+
+    return {
+        "benchmark": "serve-cpu",
+        "command": "make bench-serve",
+        "smoke": False,
+        "date": "2026-11-22T09:00:00+00:00",
+        "device": "Synthetic CPU 7",
+        "cores": 2,
+        "threads": 2,
+        "software": {"python": "3.11.7", "torch": "2.13.0", "starlette": "1.0", "uvicorn": "0.5"},
+        "model": "SmolLM2-135M-Instruct",
+        "client": "httpx over loopback",
+        "sampling": "greedy",
+        "max_tokens": 32,
+        "prompts": 16,
+        "statistic": "fastest of 2 rounds",
+        "runs": [run(1, 16.0, 70.0, 62.0), run(4, 50.0, 120.0, 80.0), run(16, 100.0, 600.0, 150.4)],
+        "in_process_concurrency": 16,
+        "in_process_tokens_per_s": 104.0,
+        "targets": [
+            {"target": "16 streams: >= 5x one stream", "met": True},
+            {"target": "16 streams: >= 80% of the in-process engine", "met": False},
+        ],
+    }
+
+
 def test_missing_results_say_not_measured_yet(tmp_path):
     page = performance_page(tmp_path)
     assert "Not measured yet: run `make bench-attention` on a GPU" in page
     assert "Not measured yet: run `make bench-sampling` on a GPU" in page
     assert "Not measured yet: run `make bench-cpu`" in page
+    assert "Not measured yet: run `make bench-serve`" in page
+    assert "make bench-serve` on a GPU" not in page
     assert performance_figures(tmp_path) == {}
 
 
@@ -199,6 +241,7 @@ def test_missing_results_say_not_measured_yet(tmp_path):
 def results_dir(tmp_path):
     (tmp_path / "attention-gpu.json").write_text(json.dumps(synthetic_attention()))
     (tmp_path / "sampling-gpu.json").write_text(json.dumps(synthetic_sampling()))
+    (tmp_path / "serve-cpu.json").write_text(json.dumps(synthetic_serve()))
     return tmp_path
 
 
@@ -211,6 +254,11 @@ def test_present_results_render_tables_device_and_date(results_dir):
     assert "flashinfer (not installed)" in page
     assert "Smoke run" in page  # the sampling file is a --smoke run
     assert "**NOT met**" in page and ": met" in page
+    assert "| 16 | 32 | 100.0 | 600 / 1200 | 150 / 226 |" in page
+    assert "| 1 | 2 | 16.0 | 70 / 140 | 62 / 93 |" in page
+    assert "Synthetic CPU 7, 2 cores" in page and "2026-11-22T09:00:00+00:00" in page
+    assert "same 16 requests added at once (best of its rounds): 104.0 tok/s" in page
+    assert "starlette 1.0, uvicorn 0.5" in page
     for document in performance_figures(results_dir).values():
         parse_svg(document)
 
@@ -220,6 +268,19 @@ def test_performance_page_names_device_and_date_of_cpu_engine():
     page = performance_page()
     assert cpu["device"] in page and cpu["date"] in page
     assert f"{cpu['runs'][0]['ours_decode_tokens_per_s']:.1f}" in page
+
+
+def test_performance_page_shows_the_serving_benchmark():
+    serve = json.loads((ROOT / "results" / "serve-cpu.json").read_text())
+    page = performance_page()
+    assert "## Serving on a CPU" in page and "make bench-serve" in page
+    assert serve["device"] in page and serve["date"] in page
+    for run in serve["runs"]:
+        assert (
+            f"| {run['concurrency']} | {run['requests']} | {run['output_tokens_per_s']:.1f} |"
+            in page
+        )
+    assert f"{serve['in_process_tokens_per_s']:.1f} tok/s" in page
 
 
 def test_captions_name_device_date_and_command():
