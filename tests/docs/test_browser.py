@@ -114,12 +114,14 @@ def missing_chromium_message(executable: Path) -> str:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     """Headless Chromium, launched from the system's executable.
 
-    Session-scoped, and first in the test's arguments, so that a missing
-    Chromium is reported before the site is built.
+    First in the test's arguments, so that a missing Chromium is reported
+    before the site is built. Module-scoped: while Playwright's sync API is
+    open, the main thread has a running asyncio loop, and every later test
+    that calls `asyncio.run` (or opens Playwright again) would fail.
     """
     if not CHROMIUM.is_file():
         pytest.fail(missing_chromium_message(CHROMIUM), pytrace=False)
