@@ -62,7 +62,7 @@ compiler:
 	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential >/dev/null
 
 # What the tests need from the system, installed where it is missing: Debian's
-# Chromium for the documentation's browser test (tests/docs/test_browser.py;
+# Chromium for the browser tests (tests/browser.py: the docs and the viewer;
 # Playwright never downloads a browser). DECODESPEC_CHROMIUM names another one.
 CHROMIUM ?= $(or $(DECODESPEC_CHROMIUM),/usr/bin/chromium)
 

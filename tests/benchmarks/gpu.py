@@ -1,4 +1,5 @@
-"""Shared pieces of the GPU benchmarks (`make bench-attention`, ...).
+"""Shared pieces of the GPU benchmarks (`make bench-attention`, ...); the JSON and
+table helpers (`write_json`, `fmt`, `print_targets`) serve the CPU benchmarks too.
 
 How to measure (ARCHITECTURE.md, "Performance: how to measure"): the bytes an
 operation must move over its median time, compared with the device's measured
@@ -131,6 +132,18 @@ def _strict_json(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [_strict_json(item) for item in value]
     return value
+
+
+def fmt(value: float | None, spec: str = ".0f") -> str:
+    """A table cell: `value` formatted with `spec`, or "-" where there is none."""
+    return "-" if value is None else format(value, spec)
+
+
+def print_targets(targets: list[dict]) -> None:
+    """The report's targets, each marked met or NOT met."""
+    print("\nTargets:")
+    for target in targets:
+        print(f"  {'met' if target['met'] else 'NOT met'}: {target['target']}")
 
 
 def write_json(path: Path, results: dict) -> None:

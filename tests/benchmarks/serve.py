@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from tests.benchmarks.gpu import write_json
+from tests.benchmarks.gpu import fmt, print_targets, write_json
 from tests.benchmarks.test_cpu_engine import cpu_name
 from tests.serve import load
 from tests.serve.live import LiveServer
@@ -193,10 +193,6 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     }
 
 
-def fmt(value: float | None, spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_table(summary: dict) -> None:
     print(f"{summary['device']}, {summary['cores']} cores; {summary['statistic']}")
     print(
@@ -214,9 +210,7 @@ def print_table(summary: dict) -> None:
         f"in-process engine, {summary['in_process_concurrency']} requests: "
         f"{summary['in_process_tokens_per_s']:.1f} tok/s"
     )
-    print("\nTargets:")
-    for target in summary["targets"]:
-        print(f"  {'met' if target['met'] else 'NOT met'}: {target['target']}")
+    print_targets(summary["targets"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -54,7 +54,7 @@ from decodespec.reference.engine import Engine
 from decodespec.reference.request import RequestOutput
 from decodespec.spec.forward import ModelWeights
 from decodespec.spec.sampling import SamplingParams
-from tests.benchmarks.gpu import write_json
+from tests.benchmarks.gpu import fmt, print_targets, write_json
 from tests.benchmarks.test_cpu_engine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -325,10 +325,6 @@ def report(args: argparse.Namespace, argv: Sequence[str], model: str, workloads:
     }
 
 
-def fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def print_table(summary: dict) -> None:
     """One table per workload, then the targets."""
     header = (
@@ -348,9 +344,7 @@ def print_table(summary: dict) -> None:
                 f"{fmt(row['decode_tokens_per_s'], '.2f'):>12} "
                 f"{row['speedup_vs_plain']:>6.2f}x  {row['same_tokens_as_plain']}"
             )
-    print("\nTargets:")
-    for target in summary["targets"]:
-        print(f"  {'met' if target['met'] else 'NOT met'}: {target['target']}")
+    print_targets(summary["targets"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,8 +15,6 @@ another executable. Without it the test fails, it is never skipped.
 from __future__ import annotations
 
 import functools
-import io
-import os
 import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -25,23 +23,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.browser import MIN_DISTINCT_COLOURS, browser_for_test, distinct_colours
+
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, ConsoleMessage, Page, Request, Response
-
-CHROMIUM = Path(os.environ.get("DECODESPEC_CHROMIUM", "/usr/bin/chromium"))
-
-# Headless (Playwright adds --headless) and quiet: on a closed network Chromium's
-# background services would try connections and fail. Playwright's launch gives
-# every browser a fresh temporary --user-data-dir of its own.
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 # The pages the issue names: the home page, one stage page, the performance page.
 PAGES = {
@@ -52,10 +37,6 @@ PAGES = {
 
 # The pages whose figures the issue asks to see load: each has at least one image.
 PAGES_WITH_FIGURES = {"home", "performance"}
-
-# A rendered page with text has antialiased glyphs, so many colours; a blank or
-# flat page has one or two.
-MIN_DISTINCT_COLOURS = 16
 
 PAGE_TIMEOUT_MS = 30_000
 IMAGE_TIMEOUT_MS = 10_000
@@ -105,38 +86,15 @@ def site_url(built_site: Path) -> Iterator[str]:
         thread.join()
 
 
-def missing_chromium_message(executable: Path) -> str:
-    """Why the browser test cannot run, and how to fix it."""
-    return (
-        f"Chromium not found at {executable}. The browser test needs Debian's Chromium:\n"
-        "    sudo apt-get install -y chromium\n"
-        "(`make test` installs it; DECODESPEC_CHROMIUM names another executable.)"
-    )
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     """Headless Chromium, launched from the system's executable.
 
     First in the test's arguments, so that a missing Chromium is reported
-    before the site is built. Module-scoped: while Playwright's sync API is
-    open, the main thread has a running asyncio loop, and every later test
-    that calls `asyncio.run` (or opens Playwright again) would fail.
+    before the site is built; module-scoped (see `tests.browser.chromium`).
     """
-    if not CHROMIUM.is_file():
-        pytest.fail(missing_chromium_message(CHROMIUM), pytrace=False)
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("The browser test needs Playwright: pip install -e '.[docs]'", pytrace=False)
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
-        )
-        try:
-            yield chromium
-        finally:
-            chromium.close()
+    with browser_for_test() as browser:
+        yield browser
 
 
 def record_problems(page: Page) -> list[str]:
@@ -162,15 +120,6 @@ def record_problems(page: Page) -> list[str]:
     page.on("requestfailed", on_request_failed)
     page.on("pageerror", on_page_error)
     return problems
-
-
-def distinct_colours(png: bytes, limit: int) -> int:
-    """How many colours the PNG image has, counting up to `limit`."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(png)) as image:
-        colours = image.convert("RGB").getcolors(maxcolors=limit)
-    return limit if colours is None else len(colours)
 
 
 @pytest.mark.parametrize(("name", "path"), PAGES.items(), ids=PAGES.keys())

@@ -28,17 +28,11 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from tests.docs.test_browser import (
-    CHROMIUM,
-    MIN_DISTINCT_COLOURS,
-    distinct_colours,
-    missing_chromium_message,
-)
+from tests.browser import MIN_DISTINCT_COLOURS, browser_for_test, distinct_colours
 from tests.serve.live import MODEL, LiveServer
 from tests.serve.viewer_screenshot import (
     VIEWPORT,
     capture,
-    chromium,
     generate,
     hover_token,
     open_viewer,
@@ -67,13 +61,7 @@ COUNT_TOKENS_JS = """() => {
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     """The system's Chromium; the test fails (is not skipped) without it."""
-    if not CHROMIUM.is_file():
-        pytest.fail(missing_chromium_message(CHROMIUM), pytrace=False)
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        pytest.fail("The browser test needs Playwright: pip install -e '.[docs]'", pytrace=False)
-    with chromium() as launched:
+    with browser_for_test() as launched:
         yield launched
 
 

@@ -5,22 +5,18 @@
 starts a `LiveServer` with the bundled model, generates an answer at
 temperature 0.8 with a fixed seed, hovers a token so that its candidates
 show, and saves a PNG of the page (1000×700). The functions here are the
-steps `tests/serve/test_viewer.py` takes too: `chromium()`, `generate()`,
-`hover_token()`, `capture()`.
-
-The browser is Debian's Chromium (`apt-get install -y chromium`), never one
-Playwright downloads; DECODESPEC_CHROMIUM names another executable.
+steps `tests/serve/test_viewer.py` takes too: `open_viewer()`, `generate()`,
+`hover_token()`, `capture()`. The browser is `tests.browser.chromium()`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tests.docs.test_browser import CHROMIUM, CHROMIUM_FLAGS, missing_chromium_message
+from tests.browser import chromium
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Locator, Page
@@ -53,23 +49,6 @@ PICK_TOKEN_JS = """([limit, lines]) => {
   });
   return Number(spans[best].dataset.index);
 }"""
-
-
-@contextlib.contextmanager
-def chromium() -> Iterator[Browser]:
-    """Headless Chromium from the system's executable (RuntimeError if there is none)."""
-    if not CHROMIUM.is_file():
-        raise RuntimeError(missing_chromium_message(CHROMIUM))
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def open_viewer(page: Page, url: str) -> None:
