@@ -1,8 +1,13 @@
-"""Backends: the stage functions the engine calls, spec or kernels.
+"""Backends: the stage functions the engine calls, spec, batched PyTorch or kernels.
 
 The spec and the kernels provide the same operations with the same
 signatures (ARCHITECTURE.md, "The stage contract"), so the engine's code is
-one for both; a backend is the table of functions it calls.
+one for all; a backend is the table of functions it calls:
+
+- `spec`: the spec's functions, the definition itself;
+- `torch`: the spec's functions, but attention batched across sequences
+  (`batched_attention`): the fast choice on a CPU, and `serve`'s default;
+- `triton`: the kernels (the Triton interpreter without a GPU).
 """
 
 from __future__ import annotations
@@ -10,13 +15,18 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from decodespec.spec import append, attention, sampling, speculative
 from decodespec.spec.sampling import InvalidLogitsError
+
+from . import batched_attention
+
+BACKENDS = ("spec", "torch", "triton")
+SERVE_BACKEND = "torch"  # `decodespec serve`'s default: throughput matters most there
 
 STAGE_OPERATIONS = (
     "paged_attention",
@@ -59,8 +69,14 @@ SPEC_BACKEND = Backend(
 )
 
 
+TORCH_BACKEND = replace(
+    SPEC_BACKEND, name="torch", paged_attention=batched_attention.paged_attention
+)
+
+
 def get_backend(name: str) -> Backend:
-    """`spec` (plain PyTorch) or `triton` (the kernels; the interpreter without a GPU).
+    """`spec` (the spec's PyTorch), `torch` (the spec's, attention batched across
+    sequences) or `triton` (the kernels; the interpreter without a GPU).
 
     The triton backend takes every stage `kernels` provides and the spec's
     function for any it lacks (a partial vendored copy, say): they share the
@@ -69,8 +85,10 @@ def get_backend(name: str) -> Backend:
     """
     if name == "spec":
         return SPEC_BACKEND
+    if name == "torch":
+        return TORCH_BACKEND
     if name != "triton":
-        raise ValueError(f"unknown backend {name!r}: choose 'spec' or 'triton'")
+        raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     kernels = importlib.import_module("decodespec.kernels")

@@ -32,7 +32,7 @@ from decodespec.spec.sampling import (
 from decodespec.spec.softmax import softmax
 
 from . import loader
-from .backend import get_backend
+from .backend import BACKENDS, SERVE_BACKEND, get_backend
 from .engine import Engine
 from .model_files import bundled_model_path
 from .request import RequestOutput
@@ -347,9 +347,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--logprobs", type=int, metavar="N", help="logprobs with the top N (0-20)")
     gen.add_argument(
         "--backend",
-        choices=("spec", "triton"),
+        choices=BACKENDS,
         default="spec",
-        help="stage functions: the spec's PyTorch, or the Triton kernels",
+        help="stage functions: the spec's PyTorch (default), the same with attention "
+        "batched across requests (torch), or the Triton kernels",
     )
     gen.add_argument(
         "--device",
@@ -379,7 +380,13 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", help="the model's name in the API (default: file name)")
-    srv.add_argument("--backend", choices=("spec", "triton"), default="spec")
+    srv.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=SERVE_BACKEND,
+        help="as for generate; default torch: the spec's stages with attention batched "
+        "across the requests of a step",
+    )
     srv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     srv.add_argument(
         "--cache-tokens", type=int, default=16_384, help="KV cache capacity in positions"

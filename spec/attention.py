@@ -154,7 +154,7 @@ def check_cache_pair(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, i
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
-def _check_attention_args(
+def check_attention_args(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -314,7 +314,7 @@ def paged_attention(
         tensor([0.0000, 0.6931])
     """
     if validate:
-        lens, starts = _check_attention_args(
+        lens, starts = check_attention_args(
             q, k_cache, v_cache, block_table, seq_lens, query_start, scale
         )
     else:

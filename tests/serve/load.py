@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
+from decodespec.reference.backend import SERVE_BACKEND
 from decodespec.reference.engine import Engine
 from decodespec.spec.forward import ModelWeights
 from decodespec.spec.sampling import SamplingParams
@@ -346,11 +347,13 @@ def in_process(
     prompts: Sequence[str],
     max_tokens: int = MAX_TOKENS,
     cache_tokens: int = 4096,
+    backend: str = SERVE_BACKEND,
 ) -> float:
     """Aggregate output tokens/s of `prompts` (greedy, `ignore_eos`, `max_tokens` each)
     through a fresh `Engine` in this process: all added at once, stepped until done.
-    The prompts are encoded as `/v1/completions` encodes a string prompt."""
-    engine = Engine(weights, tokenizer, seed=0, cache_tokens=cache_tokens)
+    The prompts are encoded as `/v1/completions` encodes a string prompt; the
+    backend is the server's."""
+    engine = Engine(weights, tokenizer, seed=0, cache_tokens=cache_tokens, backend=backend)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [tokenizer.encode(prompt) for prompt in prompts]
     with torch.inference_mode():

@@ -1,0 +1,193 @@
+"""Paged attention batched across sequences, in PyTorch: the engine's `torch` backend.
+
+`decodespec.spec.attention.paged_attention` defines the operation one
+sequence at a time. On a CPU that loop is most of a decode step's overhead
+once a batch holds more than a few requests: sixteen decoding requests make
+sixteen small gathers and matmuls per layer, each costing more in dispatch
+than in arithmetic. This module computes the same operation (same signature,
+same clauses, same validation) for many sequences at once: sequences with the
+same number of query rows (every decoding request has one; every request
+verifying k drafts has k + 1) form a group, padded to the group's longest
+sequence, and each group is one gather and two batched matmuls. A prompt
+chunk usually forms a group of its own.
+
+Padding must not change any result (ATTN-BOUNDS-1): padded key positions
+read slot 0 of the cache, which may hold anything, NaN included, so the
+gathered keys and values are zeroed there before any arithmetic and the
+scores masked to −inf, exactly as a position a causal row does not see.
+
+The conformance suite proves it computes the spec:
+`pytest tests/conformance/test_attention.py --impl decodespec.reference.batched_attention`
+(run by `tests/engine/test_batched_attention.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from decodespec.spec.attention import check_attention_args
+from decodespec.spec.softmax import compute_dtype
+
+# Most score elements (batch × heads × rows × keys) one padded matmul computes at
+# once: 2**24 float32 scores are 64 MiB. A group past it is split; a single
+# sequence past it (a long prompt) still runs whole, as the spec's loop would.
+MAX_SCORES_PER_MATMUL = 1 << 24
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start: Tensor,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal attention of packed queries over a paged KV cache, batched across sequences.
+
+    The operation, arguments, results and errors of
+    `decodespec.spec.attention.paged_attention` (ATTN-LAYOUT-1 ... ATTN-VALID-1);
+    only the schedule differs, and results agree with the spec's within the
+    registry's tolerance, not bitwise.
+
+    Example:
+        Two decoding sequences of lengths 2 and 1 in blocks of one slot; zero
+        queries average every key they see.
+
+        >>> k_cache = torch.zeros(3, 1, 1, 2)
+        >>> v_cache = torch.tensor([1.0, 3.0, 5.0]).view(3, 1, 1, 1).expand(3, 1, 1, 2)
+        >>> paged_attention(
+        ...     torch.zeros(2, 1, 2), k_cache, v_cache.contiguous(),
+        ...     block_table=torch.tensor([[0, 1], [2, -1]]), seq_lens=torch.tensor([2, 1]),
+        ...     query_start=torch.tensor([0, 1, 2]))[:, 0]
+        tensor([[2., 2.],
+                [5., 5.]])
+    """
+    if validate:
+        lens, starts = check_attention_args(
+            q, k_cache, v_cache, block_table, seq_lens, query_start, scale
+        )
+    else:
+        lens, starts = seq_lens.tolist(), query_start.tolist()
+    num_tokens, num_q_heads, head_dim = q.shape
+    acc = compute_dtype(q.dtype)
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=acc, device=q.device)
+    lse = torch.full(
+        (num_tokens, num_q_heads) if return_lse else (0,), -math.inf, dtype=acc, device=q.device
+    )
+    attention = _GroupAttention(
+        q, k_cache, v_cache, block_table, 1.0 / math.sqrt(head_dim) if scale is None else scale
+    )
+    for q_len, sequences in _groups(lens, starts):
+        for chunk in _chunks(sequences, lens, q_len * num_q_heads):
+            rows, group_out, group_lse = attention(
+                chunk, [lens[b] for b in chunk], starts, q_len, return_lse
+            )
+            out[rows] = group_out
+            if return_lse:
+                lse[rows] = group_lse
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _groups(lens: list[int], starts: list[int]) -> list[tuple[int, list[int]]]:
+    """Sequences with rows and keys, by their number of query rows (ATTN-EMPTY-1:
+    the others keep zeros and −inf)."""
+    groups: dict[int, list[int]] = {}
+    for b, seq_len in enumerate(lens):
+        q_len = starts[b + 1] - starts[b]
+        if q_len > 0 and seq_len > 0:
+            groups.setdefault(q_len, []).append(b)
+    return list(groups.items())
+
+
+def _chunks(sequences: list[int], lens: list[int], scores_per_key: int) -> list[list[int]]:
+    """`sequences` in runs whose padded scores stay within MAX_SCORES_PER_MATMUL."""
+    chunks: list[list[int]] = [[]]
+    longest = 0
+    for b in sequences:
+        longest_with_b = max(longest, lens[b])
+        if chunks[-1] and (len(chunks[-1]) + 1) * scores_per_key * longest_with_b > (
+            MAX_SCORES_PER_MATMUL
+        ):
+            chunks.append([])
+            longest_with_b = lens[b]
+        chunks[-1].append(b)
+        longest = longest_with_b
+    return chunks
+
+
+class _GroupAttention:
+    """Attention of sequences that have the same number of query rows, padded to the longest."""
+
+    def __init__(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, scale: float
+    ) -> None:
+        num_blocks, self.block_size, self.num_kv_heads, head_dim = k_cache.shape
+        self.q = q
+        self.flat_k = k_cache.view(num_blocks * self.block_size, self.num_kv_heads, head_dim)
+        self.flat_v = v_cache.view(num_blocks * self.block_size, self.num_kv_heads, head_dim)
+        self.block_table = block_table
+        self.scale = scale
+        self.acc = compute_dtype(q.dtype)
+
+    def __call__(
+        self, sequences: list[int], lens: list[int], starts: list[int], q_len: int, with_lse: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """`(rows, out, lse)`: the packed rows of `sequences` and their results
+        (lse None unless `with_lse`)."""
+        device = self.q.device
+        batch, longest = len(sequences), max(lens)
+        _, num_q_heads, head_dim = self.q.shape
+        kv_heads, group = self.num_kv_heads, num_q_heads // self.num_kv_heads
+        # Padding only when the lengths differ; then it needs the masks below.
+        padded = min(lens) < longest
+        seq_lens = torch.tensor(lens, device=device)
+
+        # Keys and values [batch, kv_heads, longest, head_dim]; padding reads slot 0 and is zeroed.
+        position = torch.arange(longest, device=device)
+        blocks = self.block_table[sequences][:, position // self.block_size].to(torch.int64)
+        if padded:  # the table entries past a sequence may hold anything (ATTN-BOUNDS-1)
+            is_key = position[None, :] < seq_lens[:, None]  # [batch, longest]
+            blocks = blocks.masked_fill(~is_key, 0)
+        slots = (blocks * self.block_size + position % self.block_size).flatten()
+        keys, values = (
+            cache.index_select(0, slots).view(batch, longest, kv_heads, head_dim).to(self.acc)
+            for cache in (self.flat_k, self.flat_v)
+        )
+        if padded:  # NaN · 0 is NaN: a padded value must be 0, not merely unweighted
+            keys, values = (t.masked_fill(~is_key[:, :, None, None], 0) for t in (keys, values))
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+
+        # Queries [batch, kv_heads, group · q_len, head_dim]; query head h = kv · group + g.
+        rows = (
+            torch.tensor([starts[b] for b in sequences], device=device)[:, None]
+            + torch.arange(q_len, device=device)
+        ).flatten()
+        queries = self.q.index_select(0, rows).to(self.acc)
+        queries = queries.view(batch, q_len, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        queries = queries.reshape(batch, kv_heads, group * q_len, head_dim)
+
+        scores = self.scale * (queries @ keys.transpose(2, 3))
+        if q_len > 1 or padded:  # a lone row of an unpadded sequence sees every key
+            # ATTN-CAUSAL-1: row r sits at seq_len − q_len + r; padded keys lie past every row.
+            row_position = seq_lens[:, None] - q_len + torch.arange(q_len, device=device)
+            visible = position[None, None, :] <= row_position[:, :, None]  # [batch, q_len, longest]
+            visible = visible[:, None].expand(batch, group, q_len, longest)
+            scores = scores.masked_fill(
+                ~visible.reshape(batch, 1, group * q_len, longest), -math.inf
+            )
+
+        out = scores.softmax(dim=-1) @ values  # every row sees position 0: no empty softmax
+        out = out.view(batch, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(batch * q_len, num_q_heads, head_dim)
+        if not with_lse:
+            return rows, out, None
+        lse = torch.logsumexp(scores, dim=-1).view(batch, kv_heads, group, q_len)  # ATTN-LSE-1
+        return rows, out, lse.permute(0, 3, 1, 2).reshape(batch * q_len, num_q_heads)

@@ -1,0 +1,130 @@
+"""The `torch` backend: paged attention batched across sequences (reference/batched_attention.py).
+
+It is an implementation of the spec's operation like any other, so the
+conformance suite is its main test (run here through `--impl`); the tests
+below cover what the suite cannot see: its grouping and splitting, and the
+engine running on it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from decodespec.reference import batched_attention
+from decodespec.reference.backend import SPEC_BACKEND, STAGE_OPERATIONS, get_backend
+from decodespec.reference.cli import _parser
+from decodespec.reference.engine import Engine
+from decodespec.spec.attention import paged_attention as spec_paged_attention
+from decodespec.spec.sampling import SamplingParams
+from tests.engine.toy import ByteTokenizer, random_weights, small_config
+from tests.test_harness import run_suite
+
+ATTENTION_TESTS = "tests/conformance/test_attention.py"
+
+
+def test_the_conformance_suite_passes_it():
+    """Every attention conformance test runs against it and passes; only the
+    operations it does not provide (append_kv) are skipped."""
+    run = run_suite(ATTENTION_TESTS, "--impl=decodespec.reference.batched_attention")
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "missing operations (skipped): " in run.stdout
+    skips = re.findall(r"SKIPPED \[\d+\] .*", run.stdout)
+    assert skips and all("does not provide operation append_kv" in s for s in skips), skips
+    passed = int(re.search(r"(\d+) passed", run.stdout).group(1))
+    assert passed >= 50, run.stdout[-2000:]
+
+
+def mixed_batch(dtype: torch.dtype, poison: float = math.nan):
+    """A batch of every kind of sequence: decodes of different lengths, two
+    verifying three drafts each, a prompt chunk, a whole prompt, one without
+    keys and one without rows; unused cache slots and table entries are poison."""
+    torch.manual_seed(0)
+    block_size, num_blocks, kv_heads, q_heads, head_dim = 4, 64, 2, 6, 8
+    seq_lens = [9, 1, 17, 12, 13, 20, 7, 0, 5]
+    q_lens = [1, 1, 1, 4, 4, 6, 7, 2, 0]
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), poison, dtype=dtype)
+    v_cache = k_cache.clone()
+    block_table = torch.full((len(seq_lens), 6), -1)
+    free = torch.randperm(num_blocks).tolist()
+    for b, n in enumerate(seq_lens):
+        for i in range(-(-n // block_size)):
+            block = free.pop()
+            block_table[b, i] = block
+            used = min(block_size, n - i * block_size)
+            k_cache[block, :used] = torch.randn(used, kv_heads, head_dim, dtype=dtype)
+            v_cache[block, :used] = torch.randn(used, kv_heads, head_dim, dtype=dtype)
+    query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    q = torch.randn(int(query_start[-1]), q_heads, head_dim, dtype=dtype)
+    return q, k_cache, v_cache, block_table, torch.tensor(seq_lens), query_start
+
+
+@pytest.mark.clause("ATTN-PACK-1", "ATTN-BOUNDS-1", "ATTN-EMPTY-1")
+@pytest.mark.parametrize("max_scores", [batched_attention.MAX_SCORES_PER_MATMUL, 1, 2000])
+def test_every_kind_of_sequence_in_one_batch_and_split_groups(monkeypatch, max_scores):
+    """Groups by row count, each split when its padded scores pass the limit
+    (1: one sequence per matmul), give the spec's rows in the spec's order."""
+    monkeypatch.setattr(batched_attention, "MAX_SCORES_PER_MATMUL", max_scores)
+    args = mixed_batch(torch.float64)
+    out, lse = batched_attention.paged_attention(*args, return_lse=True)
+    expected_out, expected_lse = spec_paged_attention(*args, return_lse=True)
+    torch.testing.assert_close(out, expected_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(out).all()
+    seq_lens, query_start = args[4], args[5]
+    empty = slice(int(query_start[7]), int(query_start[8]))  # rows of the keyless sequence
+    assert seq_lens[7] == 0 and (out[empty] == 0).all() and (lse[empty] == -math.inf).all()
+
+
+def test_chunks_respect_the_score_budget(monkeypatch):
+    monkeypatch.setattr(batched_attention, "MAX_SCORES_PER_MATMUL", 100)
+    lens = [10, 10, 30, 5, 40, 1]
+    # 2 scores per key: [0, 1] pads to 10 (40 scores), adding 2 would pad to 30 (180).
+    assert batched_attention._chunks(list(range(6)), lens, 2) == [[0, 1], [2], [3], [4], [5]]
+    assert batched_attention._chunks([4], lens, 1000) == [[4]]  # alone past the budget
+
+
+def test_the_torch_backend_is_the_spec_with_batched_attention():
+    backend = get_backend("torch")
+    assert backend.paged_attention is batched_attention.paged_attention
+    for op in STAGE_OPERATIONS:
+        if op != "paged_attention":
+            assert getattr(backend, op) is getattr(SPEC_BACKEND, op), op
+    assert backend.kernel_ops == ()
+
+
+@pytest.mark.clause("FWD-CACHE-1")
+@pytest.mark.parametrize("speculate", [None, "ngram"])
+def test_the_engine_on_it_generates_what_the_spec_backend_generates(speculate):
+    """Requests joining a running batch (prefill and decode rows mixed), greedy
+    and seeded, with and without drafts: the same tokens as the spec backend."""
+    model = random_weights(small_config(), seed=3)
+    prompts = [list(b"abab abab ab"), list(b"a"), list(b"the quick brown fox jumps")]
+    outputs = {}
+    for backend in ("spec", "torch"):
+        engine = Engine(model, ByteTokenizer(), backend=backend, block_size=3, speculate=speculate)
+        first = engine.add_request(
+            prompts[2], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        )
+        engine.step()
+        engine.step()
+        later = [
+            engine.add_request(
+                p, SamplingParams(temperature=0.9, seed=i, max_tokens=8, ignore_eos=True)
+            )
+            for i, p in enumerate(prompts[:2])
+        ]
+        while engine.has_unfinished():
+            engine.step()
+        outputs[backend] = [engine.output(i).token_ids for i in (first, *later)]
+    assert outputs["torch"] == outputs["spec"]
+
+
+def test_serve_defaults_to_it_and_generate_to_the_spec():
+    parser = _parser()
+    assert parser.parse_args(["serve"]).backend == "torch"
+    assert parser.parse_args(["generate", "hi"]).backend == "spec"
+    assert parser.parse_args(["generate", "hi", "--backend", "torch"]).backend == "torch"
