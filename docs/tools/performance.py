@@ -248,7 +248,9 @@ def serve_section(report: dict | None) -> str:
         + f"{measured_on(environment, report['command'])}"
         + (f" **HTTP:** {http}." if http else "")
         + "\n\n"
-        + f"Model: {report['model']}. Clients: {report['client']}. Each request: "
+        + f"Model: {report['model']}"
+        + (f", backend `{report['backend']}`" if report.get("backend") else "")
+        + f". Clients: {report['client']}. Each request: "
         + f"{report['sampling']}, {report['max_tokens']} new tokens, one of "
         + f"{report['prompts']} short prompts; statistic: {report['statistic']}.\n\n"
         + "In the style of vLLM's `benchmark_serving`: output tok/s is every output token "

@@ -212,6 +212,7 @@ def synthetic_serve() -> dict:
         "threads": 2,
         "software": {"python": "3.11.7", "torch": "2.13.0", "starlette": "1.0", "uvicorn": "0.5"},
         "model": "SmolLM2-135M-Instruct",
+        "backend": "torch",
         "client": "httpx over loopback",
         "sampling": "greedy",
         "max_tokens": 32,
@@ -281,6 +282,7 @@ def test_performance_page_shows_the_serving_benchmark():
             in page
         )
     assert f"{serve['in_process_tokens_per_s']:.1f} tok/s" in page
+    assert f"backend `{serve['backend']}`" in page
 
 
 def test_captions_name_device_date_and_command():
