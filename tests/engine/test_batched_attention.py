@@ -96,30 +96,24 @@ def test_the_torch_backend_is_the_spec_with_batched_attention():
     assert backend.kernel_ops == ()
 
 
-@pytest.mark.clause("FWD-CACHE-1")
-@pytest.mark.parametrize("speculate", [None, "ngram"])
-def test_the_engine_on_it_generates_what_the_spec_backend_generates(speculate):
-    """Requests joining a running batch (prefill and decode rows mixed), greedy
-    and seeded, with and without drafts: the same tokens as the spec backend."""
+def test_the_engine_speculates_on_it_with_the_spec_backends_tokens():
+    """Drafts verified in one forward pass (q_len = K + 1 per request, a group of
+    its own next to plain decodes): the spec backend's tokens. The batches
+    without drafts: tests/engine/test_engine.py, every backend."""
     model = random_weights(small_config(), seed=3)
-    prompts = [list(b"abab abab ab"), list(b"a"), list(b"the quick brown fox jumps")]
+    prompts = [list(b"abab abab ab"), list(b"a"), list(b"cdcd cd cdcd")]
     outputs = {}
     for backend in ("spec", "torch"):
-        engine = Engine(model, ByteTokenizer(), backend=backend, block_size=3, speculate=speculate)
-        first = engine.add_request(
-            prompts[2], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-        )
-        engine.step()
-        engine.step()
-        later = [
+        engine = Engine(model, ByteTokenizer(), backend=backend, block_size=3, speculate="ngram")
+        ids = [
             engine.add_request(
-                p, SamplingParams(temperature=0.9, seed=i, max_tokens=8, ignore_eos=True)
+                p, SamplingParams(temperature=0.9 * i, seed=i, max_tokens=10, ignore_eos=True)
             )
-            for i, p in enumerate(prompts[:2])
+            for i, p in enumerate(prompts)
         ]
         while engine.has_unfinished():
             engine.step()
-        outputs[backend] = [engine.output(i).token_ids for i in (first, *later)]
+        outputs[backend] = [engine.output(i).token_ids for i in ids]
     assert outputs["torch"] == outputs["spec"]
 
 

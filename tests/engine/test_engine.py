@@ -310,10 +310,11 @@ def test_triton_backend_takes_the_stages_the_kernels_provide():
 
 
 @pytest.mark.clause("FWD-CACHE-1")
-def test_triton_backend_generates_what_the_spec_backend_generates(model):
+@pytest.mark.parametrize("other", ["triton", "torch"])
+def test_every_backend_generates_what_the_spec_backend_generates(model, other):
     """Greedy and seeded requests joining a running batch: prefill and decode rows mixed."""
     outputs = {}
-    for backend in ("spec", "triton"):
+    for backend in ("spec", other):
         engine = Engine(model, ByteTokenizer(), backend=backend, block_size=3)
         first = engine.add_request(
             PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -328,7 +329,7 @@ def test_triton_backend_generates_what_the_spec_backend_generates(model):
         ]
         run_all(engine)
         outputs[backend] = [engine.output(i).token_ids for i in (first, *later)]
-    assert outputs["triton"] == outputs["spec"]
+    assert outputs[other] == outputs["spec"]
 
 
 @pytest.mark.clause("SAMPLE-VALID-2")
