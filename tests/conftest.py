@@ -37,6 +37,7 @@ from hypothesis import settings
 
 from decodespec.spec import registry
 from tests import repro
+from tests.strategies import BOUNDARY_FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -226,6 +227,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unknown = [c for c in marker.args if c not in known]
             if unknown:
                 raise pytest.UsageError(f"{item.nodeid} names unknown clauses {unknown}")
+        unknown = [f for f in _boundaries(item) if f not in BOUNDARY_FAMILIES]
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid} names unknown boundary families {unknown}")
+
+
+def _boundaries(item: pytest.Item) -> list[str]:
+    """The boundary families a test draws (its `boundary` markers), in order."""
+    return list(dict.fromkeys(f for marker in item.iter_markers("boundary") for f in marker.args))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -278,7 +287,7 @@ class ClauseReport:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         table = {
-            clause.id: {"text": clause.text, "module": clause.module, "tests": []}
+            clause.id: {"text": clause.text, "module": clause.module, "tests": [], "boundaries": []}
             for clause in registry.clauses().values()
         }
         for item in session.items:
@@ -288,7 +297,11 @@ class ClauseReport:
                 entry = {"nodeid": item.nodeid, "outcome": outcome}
                 if item.nodeid in self.messages:
                     entry["message"] = self.messages[item.nodeid]
+                if _boundaries(item):
+                    entry["boundaries"] = _boundaries(item)
                 table[clause_id]["tests"].append(entry)
+                drawn = table[clause_id]["boundaries"]
+                drawn += [f for f in _boundaries(item) if f not in drawn]
         impl = self.impl
         report = {
             "implementation": {"name": impl.name, "version": impl.version},
@@ -302,6 +315,7 @@ class ClauseReport:
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             },
             "exit_status": int(exitstatus),
+            "boundary_families": BOUNDARY_FAMILIES,
             "clauses": table,
         }
         Path(self.path).write_text(json.dumps(report, indent=2) + "\n")

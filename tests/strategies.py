@@ -19,6 +19,8 @@ LARGE = os.environ.get("DECODESPEC_SIZES", "large" if DEVICE.type == "cuda" else
 MAX_BATCH = 64 if LARGE else 4
 MAX_VOCAB = 262_144 if LARGE else 300
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The `thorough` hypothesis profile also draws the heavier boundary cases.
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
 # How a row of logits looks: spread-out values, heavy ties, bf16-rounded
 # values (ties from rounding), or a huge dynamic range.
@@ -107,3 +109,44 @@ def sampling_args(draw: st.DrawFn, batch: int, vocab: int, greedy: bool | None =
         "seed": per_row(draw, batch, st.integers(-(2**63), 2**63 - 1), torch.int64),
         "step": per_row(draw, batch, st.integers(0, 2**40), torch.int64),
     }
+
+
+# ---------------------------------------------------------------- boundaries
+#
+# Random draws almost never land where implementations differ: on exact ties,
+# exact thresholds, chunk and tile boundaries. These strategies aim there on
+# purpose; tests that draw them say so with `@pytest.mark.boundary(family)`,
+# and the clause report lists, per clause, the families its tests draw.
+
+BOUNDARY_FAMILIES = {
+    "ties-across-chunks": "exact ties between token ids in different vocabulary chunks",
+    "exact-thresholds": "a token exactly at a filter's threshold (top-p mass, min-p ratio)",
+    "many-kv-tiles": "sequences spanning several KV tiles and splits, in every dtype",
+    "clean-failures": "a wrong result fails an assertion on the whole output, not a crash",
+}
+
+# Vocabulary chunks of chunked kernels: ours walk 4096 entries at a time in the
+# Triton interpreter and 1024 on a GPU. Ids below the smaller size, and in
+# different multiples of the larger one, sit in different chunks for either size.
+CHUNK_SIZES = (1024, 4096)
+
+
+@st.composite
+def far_apart_ids(draw: st.DrawFn, count: int) -> tuple[int, list[int]]:
+    """`(vocab, ids)`: `count` ids in different chunks for every size in CHUNK_SIZES,
+    the first below the smallest chunk, the i-th in the i-th multiple of the largest."""
+    large = max(CHUNK_SIZES)
+    vocab = draw(st.integers(large * (count - 1) + 1, large * count))
+    ids = [draw(st.integers(0, min(CHUNK_SIZES) - 1))]
+    ids += [draw(st.integers(large * i, min(large * (i + 1), vocab) - 1)) for i in range(1, count)]
+    return vocab, ids
+
+
+def dyadic_probabilities(draw: st.DrawFn, max_splits: int = 6) -> list[int]:
+    """Exponents e_i of a distribution 2^-e_i summing to exactly 1: start from
+    one token of probability 1 and split tokens in halves."""
+    exponents = [0]
+    for _ in range(draw(st.integers(1, max_splits))):
+        i = draw(st.integers(0, len(exponents) - 1))
+        exponents[i : i + 1] = [exponents[i] + 1] * 2
+    return exponents

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.strategies import BOUNDARY_FAMILIES
+
 ROOT = Path(__file__).resolve().parent.parent
 SOFTMAX_TESTS = "tests/conformance/test_softmax_logits.py"
 
@@ -78,3 +80,23 @@ def test_unknown_impl_is_a_usage_error():
     run = run_suite(SOFTMAX_TESTS, "--impl=no_such_module_here")
     assert run.returncode == 4
     assert "cannot import" in run.stderr
+
+
+def test_report_lists_the_boundary_families_each_clause_draws(tmp_path):
+    report = tmp_path / "report.json"
+    run = run_suite(
+        "tests/conformance/test_sampling_boundaries.py",
+        "tests/conformance/test_sampling.py",
+        "-k",
+        "greedy",
+        f"--report={report}",
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    data = json.loads(report.read_text())
+    assert data["boundary_families"] == BOUNDARY_FAMILIES
+    greedy = data["clauses"]["SAMPLE-GREEDY-1"]
+    assert greedy["boundaries"] == ["ties-across-chunks"]
+    marked = {t["nodeid"]: t.get("boundaries", []) for t in greedy["tests"]}
+    assert any(f == ["ties-across-chunks"] for f in marked.values())
+    assert any(f == [] for f in marked.values())  # the plain random tests draw none
+    assert data["clauses"]["SAMPLE-TOPK-1"]["boundaries"] == []

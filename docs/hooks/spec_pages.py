@@ -449,7 +449,8 @@ def _matrix_row(clause_id: str, entry: dict, stage_of: dict[str, str]) -> str:
         by_function.setdefault(_test_function(test["nodeid"]), []).append(test["outcome"])
     cells = [f"`{name}`: {_outcome_summary(outcomes)}" for name, outcomes in by_function.items()]
     link = f"[{clause_id}](stages/{stage_of[entry['module']]}.md#{clause_anchor(clause_id)})"
-    return f"| {link} | {'<br>'.join(cells) or 'none in tests/conformance'} |"
+    boundaries = ", ".join(entry.get("boundaries", [])) or "none"
+    return f"| {link} | {'<br>'.join(cells) or 'none in tests/conformance'} | {boundaries} |"
 
 
 def conformance_matrix(report_path: Path = REPORT) -> str:
@@ -476,10 +477,20 @@ def conformance_matrix(report_path: Path = REPORT) -> str:
     if report["self_checked_operations"]:
         names = ", ".join(f"`{name}`" for name in report["self_checked_operations"])
         header += [f"Operations the implementation lacks, run as a spec self-check: {names}.", ""]
+    families = report.get("boundary_families", {})
+    if families:
+        header += [
+            "Boundary families (the last column: which of them a clause's tests draw; "
+            "`tests/strategies.py`):",
+            "",
+            *[f"- **{name}**: {what}" for name, what in families.items()],
+            "",
+        ]
     rows = [
         _matrix_row(clause_id, entry, stage_of) for clause_id, entry in report["clauses"].items()
     ]
-    return "\n".join([*header, "| Clause | Tests: outcomes |", "| --- | --- |", *rows]) + "\n"
+    table_head = ["| Clause | Tests: outcomes | Boundaries drawn |", "| --- | --- | --- |"]
+    return "\n".join([*header, *table_head, *rows]) + "\n"
 
 
 # --- MkDocs events ---------------------------------------------------------------------------

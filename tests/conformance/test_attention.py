@@ -23,7 +23,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 from decodespec.spec import registry
-from tests.strategies import DEVICE, FLOAT_DTYPES, LARGE
+from tests.strategies import DEVICE, FLOAT_DTYPES, LARGE, THOROUGH
 
 ATTENTION = registry.OPERATIONS["paged_attention"]
 APPEND = registry.OPERATIONS["append_kv"]
@@ -644,6 +644,7 @@ def test_sequences_may_share_blocks(impl):
 
 
 @pytest.mark.clause("ATTN-CAUSAL-1", "ATTN-PACK-1")
+@pytest.mark.boundary("many-kv-tiles")
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_long_sequences(impl, dtype):
     """Long enough for a kernel to split the keys (split-KV, several tiles per row)."""
@@ -660,6 +661,44 @@ def test_long_sequences(impl, dtype):
         seed=n,
         spread=2.0,
     )
+    out, lse = call_attention(impl, case)
+    ref_out, ref_lse = spec_attention(case)
+    assert_rows_close(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+
+
+# Several KV tiles per row: a kernel's online softmax rescales its running output
+# whenever a later tile raises the maximum. Ours also splits the keys of a sequence
+# whose capacity holds two or more splits of 512 positions and merges the parts: on a
+# GPU (LONG_SEQ_LEN 4100) in every run, in the interpreter under the thorough profile.
+MANY_TILES_MIN_LEN = 2 * 64 + 1
+MANY_TILES_MAX_LEN = max(LONG_SEQ_LEN, 1100 if THOROUGH else 0)
+
+
+@pytest.mark.clause("ATTN-SCALE-1", "ATTN-CAUSAL-1", "ATTN-DTYPE-1", "ATTN-LSE-1")
+@pytest.mark.boundary("many-kv-tiles")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@given(data=st.data())
+def test_rows_over_many_kv_tiles_match_spec(impl, dtype, data):
+    """One or two sequences of MANY_TILES_MIN_LEN to MANY_TILES_MAX_LEN positions, a
+    few query rows each, in every dtype: the spec's output and log-sum-exp."""
+    require_dtype(impl, dtype)
+    lengths = st.integers(MANY_TILES_MIN_LEN, MANY_TILES_MAX_LEN)
+    shapes = [
+        (n, data.draw(st.integers(1, 4)))
+        for n in data.draw(st.lists(lengths, min_size=1, max_size=2))
+    ]
+    case = build_case(
+        shapes,
+        num_kv_heads=data.draw(st.integers(1, 2)),
+        group=data.draw(st.sampled_from((1, 3, 8))),
+        head_dim=data.draw(st.sampled_from((64, 128))),
+        block_size=data.draw(st.sampled_from(BLOCK_SIZES)),
+        dtype=dtype,
+        seed=data.draw(st.integers(0, 2**32 - 1)),
+        spread=data.draw(st.sampled_from((1.0, 3.0))),
+    )
+    note(f"shapes={shapes}")
     out, lse = call_attention(impl, case)
     ref_out, ref_lse = spec_attention(case)
     assert_rows_close(out, ref_out, dtype)
@@ -889,6 +928,7 @@ def clone_args(args: dict) -> dict:
 
 
 @pytest.mark.clause("APPEND-SLOT-1", "APPEND-SKIP-1", "APPEND-STATE-1")
+@pytest.mark.boundary("clean-failures")
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @given(data=st.data())
 def test_append_writes_exactly_the_named_slots(impl, dtype, data):
@@ -929,6 +969,7 @@ def test_append_works_in_place(impl):
 
 
 @pytest.mark.clause("APPEND-SKIP-1")
+@pytest.mark.boundary("clean-failures")
 @pytest.mark.parametrize("num_tokens", [0, 1, 5])
 def test_append_of_padding_only_changes_nothing(impl, num_tokens):
     k_cache = poisoned_cache((2, 4, 1, 64), torch.float16, 2)

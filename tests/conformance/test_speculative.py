@@ -58,6 +58,33 @@ def one_request(p: torch.Tensor, q: torch.Tensor, drafter: str, num_draft: int, 
     }
 
 
+def verified(impl, **args):
+    """`verify_drafts(**args)`, its result checked against VERIFY-OUTPUT-1 first: a
+    wrong result (a row that rolls back too few or too many drafts, a missing
+    token) fails an assertion naming the rows, never an IndexError or a bincount
+    of −1 deeper in a test."""
+    out = impl.op("verify_drafts")(**args)
+    batch, k = args["draft_tokens"].shape
+    vocab = args["target_probs"].shape[-1]
+    tokens, accepted = out.tokens.cpu(), out.num_accepted.cpu()
+    assert tokens.dtype == torch.int64 and tokens.shape == (batch, k + 1), (
+        f"tokens must be int64 [{batch}, {k + 1}], got {tokens.dtype} {list(tokens.shape)}"
+    )
+    assert accepted.shape == (batch,), f"num_accepted must be [{batch}], got {accepted.shape}"
+    outside = (accepted < 0) | (accepted > args["num_draft"].cpu())
+    assert not outside.any(), (
+        f"rows {outside.nonzero().flatten().tolist()}: num_accepted outside [0, num_draft]"
+    )
+    emitted = torch.arange(k + 1)[None, :] <= accepted[:, None]  # num_accepted + 1 tokens
+    wrong = torch.where(emitted, (tokens < 0) | (tokens >= vocab), tokens != -1).any(1)
+    assert not wrong.any(), (
+        f"rows {wrong.nonzero().flatten().tolist()[:8]}: the first num_accepted + 1 tokens "
+        f"must lie in [0, {vocab}) and the rest be -1; got {tokens[wrong][:4].tolist()} "
+        f"with num_accepted {accepted[wrong][:4].tolist()}"
+    )
+    return out
+
+
 def assert_frequencies(tokens: torch.Tensor, probs: torch.Tensor) -> None:
     counts = torch.bincount(tokens.cpu(), minlength=VOCAB).double()
     possible = probs > 0
@@ -67,14 +94,15 @@ def assert_frequencies(tokens: torch.Tensor, probs: torch.Tensor) -> None:
     assert result.pvalue > 1e-3, (counts.tolist(), expected.tolist(), result)
 
 
-@pytest.mark.clause("VERIFY-ACCEPT-1", "VERIFY-RESIDUAL-1", "VERIFY-BONUS-1")
+@pytest.mark.clause("VERIFY-ACCEPT-1", "VERIFY-RESIDUAL-1", "VERIFY-BONUS-1", "VERIFY-OUTPUT-1")
+@pytest.mark.boundary("clean-failures")
 @pytest.mark.parametrize("drafter", ["sampled", "deterministic"])
 @pytest.mark.parametrize("num_draft", [0, 1, 3])
 def test_emitted_tokens_follow_the_target(impl, drafter, num_draft):
     p = distributions(4, seed=num_draft)
     q = distributions(3, seed=100 + num_draft)
     args = one_request(p, q, drafter, num_draft, seed=7)
-    out = impl.op("verify_drafts")(**args)
+    out = verified(impl, **args)
     first = out.tokens[:, 0].cpu()
     assert_frequencies(first, p[0])
     if num_draft >= 1:
@@ -87,7 +115,7 @@ def test_emitted_tokens_follow_the_target(impl, drafter, num_draft):
 def test_acceptance_rate_is_the_overlap_of_the_distributions(impl):
     """P(accept draft 0) = Σ_x min(p(x), q(x)) for drafts drawn from q."""
     p, q = distributions(2, seed=3), distributions(1, seed=4)
-    out = impl.op("verify_drafts")(**one_request(p, q, "sampled", 1, seed=11))
+    out = verified(impl, **one_request(p, q, "sampled", 1, seed=11))
     overlap = torch.minimum(p[0], q[0]).sum().item()
     accepted = int((out.num_accepted >= 1).sum())
     assert stats.binomtest(accepted, DRAWS, overlap).pvalue > 1e-3, (accepted / DRAWS, overlap)
@@ -100,7 +128,7 @@ def test_a_draft_the_target_excludes_is_always_replaced(impl):
     p[0] = p[0] / p[0].sum()
     q = torch.zeros(1, VOCAB)
     q[0, 2] = 1.0
-    out = impl.op("verify_drafts")(**one_request(p, q, "deterministic", 1, seed=12))
+    out = verified(impl, **one_request(p, q, "deterministic", 1, seed=12))
     assert int(out.num_accepted.sum()) == 0
     assert_frequencies(out.tokens[:, 0].cpu(), p[0])
     assert bool((out.tokens[:, 1:] == -1).all())
@@ -116,11 +144,12 @@ def test_the_bonus_token_uses_the_token_choice_noise(impl):
     drafts = torch.stack([torch.multinomial(p[j], batch, True, generator=g) for j in range(k)], 1)
     seed = torch.randint(-(2**62), 2**62, (batch,), generator=g)
     step = torch.randint(0, 2**40, (batch,), generator=g)
-    out = impl.op("verify_drafts")(
-        drafts.to(DEVICE),
-        p[:k].expand(batch, k, VOCAB).contiguous().to(DEVICE),
-        p.expand(batch, k + 1, VOCAB).contiguous().to(DEVICE),
-        torch.full((batch,), k, device=DEVICE),
+    out = verified(
+        impl,
+        draft_tokens=drafts.to(DEVICE),
+        draft_probs=p[:k].expand(batch, k, VOCAB).contiguous().to(DEVICE),
+        target_probs=p.expand(batch, k + 1, VOCAB).contiguous().to(DEVICE),
+        num_draft=torch.full((batch,), k, device=DEVICE),
         temperature=torch.ones(batch, device=DEVICE),
         seed=seed.to(DEVICE),
         step=step.to(DEVICE),
@@ -143,11 +172,12 @@ def test_greedy_rows_emit_the_targets_argmax_tokens(impl):
     drafts[2, 2] = (drafts[2, 2] + 1) % VOCAB  # mismatch at the last draft
     num_draft = torch.tensor([3, 3, 3, 0, 2])
     draft_probs = torch.nn.functional.one_hot(drafts, VOCAB).float()
-    out = impl.op("verify_drafts")(
-        drafts.to(DEVICE),
-        draft_probs.to(DEVICE),
-        p.to(DEVICE),
-        num_draft.to(DEVICE),
+    out = verified(
+        impl,
+        draft_tokens=drafts.to(DEVICE),
+        draft_probs=draft_probs.to(DEVICE),
+        target_probs=p.to(DEVICE),
+        num_draft=num_draft.to(DEVICE),
         temperature=torch.zeros(batch, device=DEVICE),
     )
     assert out.num_accepted.cpu().tolist() == [3, 0, 2, 0, 2]
@@ -166,12 +196,12 @@ def test_greedy_rows_emit_the_targets_argmax_tokens(impl):
 def test_rows_do_not_depend_on_their_batch(impl):
     args = one_request(distributions(3, seed=9), distributions(2, seed=10), "sampled", 2, seed=3)
     args = {k: v[:40] for k, v in args.items()}
-    whole = impl.op("verify_drafts")(**args)
+    whole = verified(impl, **args)
     order = torch.randperm(40, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    shuffled = impl.op("verify_drafts")(**{k: v[order] for k, v in args.items()})
+    shuffled = verified(impl, **{k: v[order] for k, v in args.items()})
     assert torch.equal(shuffled.tokens, whole.tokens[order])
     assert torch.equal(shuffled.num_accepted, whole.num_accepted[order])
-    alone = impl.op("verify_drafts")(**{k: v[5:6] for k, v in args.items()})
+    alone = verified(impl, **{k: v[5:6] for k, v in args.items()})
     assert torch.equal(alone.tokens[0], whole.tokens[5])
 
 
@@ -233,6 +263,6 @@ def test_undrafted_columns_are_ignored(impl):
     args = valid_args()
     args["draft_tokens"][1, 1] = 10**6  # past num_draft[1] = 1: never read
     args["draft_probs"][1, 1] = 0.0
-    out = impl.op("verify_drafts")(**args)
+    out = verified(impl, **args)
     assert out.tokens.shape == (2, 3) and out.tokens.dtype == torch.int64
     assert int(out.num_accepted[1]) <= 1
