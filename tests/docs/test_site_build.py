@@ -129,3 +129,6 @@ def test_conformance_page_renders_the_committed_report(built_site):
     assert report["date"] in text
     for clause_id in report["clauses"]:
         assert clause_id in text, f"{clause_id} missing from the coverage matrix"
+    assert "Boundaries drawn" in text
+    for family in report["boundary_families"]:
+        assert family in text, f"boundary family {family} missing from the page"
