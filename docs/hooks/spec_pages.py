@@ -137,7 +137,8 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
         (
             "llama.cpp",
             "its default sampler chain applies the temperature after top-k, top-p and "
-            "min-p; here the filters see the scaled logits (SAMPLE-ORDER-1).",
+            "min-p; here the filters see the scaled logits (SAMPLE-ORDER-1), so its min-p "
+            "threshold is on the unscaled logits (SAMPLE-MINP-1).",
         ),
         (
             "llama.cpp",
