@@ -40,6 +40,7 @@ BOUNDARY_MUTANTS = {
     "top_p_at_most": BOUNDARIES + "::test_top_p_drops_a_token_whose_mass_above_equals_p",
     "min_p_strict": BOUNDARIES + "::test_min_p_keeps_a_token_exactly_at_the_threshold",
     "attention_tiles_unscaled": "test_attention.py::test_rows_over_many_kv_tiles_match_spec",
+    "attention_splits_averaged": "test_attention.py::test_rows_over_split_keys_match_spec",
 }
 CAUGHT_BY.update(BOUNDARY_MUTANTS)
 # Mutants whose every failure must be an assertion (the clean-failures family): a

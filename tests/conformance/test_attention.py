@@ -373,6 +373,7 @@ def test_float64_inputs_compute_in_float64(impl, data):
 
 
 @pytest.mark.clause("ATTN-DTYPE-1")
+@pytest.mark.boundary("many-kv-tiles")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_low_precision_accumulates_in_float32(impl, dtype):
     """A running sum that grows large and cancels: only a float32 accumulator survives it.
@@ -699,6 +700,34 @@ def test_rows_over_many_kv_tiles_match_spec(impl, dtype, data):
         spread=data.draw(st.sampled_from((1.0, 3.0))),
     )
     note(f"shapes={shapes}")
+    out, lse = call_attention(impl, case)
+    ref_out, ref_lse = spec_attention(case)
+    assert_rows_close(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+
+
+# Long enough for two splits of 512 positions even in the interpreter, where our
+# kernel splits a lone decode row once its sequence's capacity holds two.
+SPLIT_SEQ_LEN = 2 * 512 + 100
+
+
+@pytest.mark.clause("ATTN-SCALE-1", "ATTN-LSE-1")
+@pytest.mark.boundary("many-kv-tiles")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_rows_over_split_keys_match_spec(impl, dtype):
+    """A decode row over SPLIT_SEQ_LEN positions: a kernel that
+    cuts the keys into parts and merges them by log-sum-exp must merge exactly."""
+    require_dtype(impl, dtype)
+    case = build_case(
+        [(SPLIT_SEQ_LEN, 1)],
+        num_kv_heads=1,
+        group=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        seed=SPLIT_SEQ_LEN,
+        spread=2.0,
+    )
     out, lse = call_attention(impl, case)
     ref_out, ref_lse = spec_attention(case)
     assert_rows_close(out, ref_out, dtype)
