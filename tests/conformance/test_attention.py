@@ -309,6 +309,15 @@ def assert_lse_close(lse: torch.Tensor | None, ref: torch.Tensor, dtype: torch.d
     assert bool((error <= bound).all()), f"lse error {error.max().item():.3g} beyond {rtol:g}"
 
 
+def assert_matches_spec(impl, case: Case, dtype: torch.dtype) -> None:
+    """The implementation's output and log-sum-exp on `case` equal the spec's (float64)
+    within the tolerance of `dtype`."""
+    out, lse = call_attention(impl, case)
+    ref_out, ref_lse = spec_attention(case)
+    assert_rows_close(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, dtype)
+
+
 # ---------------------------------------------------------------- paged_attention
 
 
@@ -662,10 +671,7 @@ def test_long_sequences(impl, dtype):
         seed=n,
         spread=2.0,
     )
-    out, lse = call_attention(impl, case)
-    ref_out, ref_lse = spec_attention(case)
-    assert_rows_close(out, ref_out, dtype)
-    assert_lse_close(lse, ref_lse, dtype)
+    assert_matches_spec(impl, case, dtype)
 
 
 # Several KV tiles per row: a kernel's online softmax rescales its running output
@@ -700,10 +706,7 @@ def test_rows_over_many_kv_tiles_match_spec(impl, dtype, data):
         spread=data.draw(st.sampled_from((1.0, 3.0))),
     )
     note(f"shapes={shapes}")
-    out, lse = call_attention(impl, case)
-    ref_out, ref_lse = spec_attention(case)
-    assert_rows_close(out, ref_out, dtype)
-    assert_lse_close(lse, ref_lse, dtype)
+    assert_matches_spec(impl, case, dtype)
 
 
 # Long enough for two splits of 512 positions even in the interpreter, where our
@@ -728,10 +731,7 @@ def test_rows_over_split_keys_match_spec(impl, dtype):
         seed=SPLIT_SEQ_LEN,
         spread=2.0,
     )
-    out, lse = call_attention(impl, case)
-    ref_out, ref_lse = spec_attention(case)
-    assert_rows_close(out, ref_out, dtype)
-    assert_lse_close(lse, ref_lse, dtype)
+    assert_matches_spec(impl, case, dtype)
 
 
 @pytest.mark.clause("ATTN-CAUSAL-1", "APPEND-SLOT-1")
