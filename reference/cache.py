@@ -1,10 +1,11 @@
-"""The paged KV cache and its block allocator.
+"""The paged KV cache: per-layer block pools, and packing a pass's tokens into them.
 
 The cache of each layer is one tensor of fixed-size blocks,
 `[num_blocks, block_size, num_kv_heads, head_dim]` (SEMANTICS.md, "Attention
-with a KV cache"). A sequence owns a list of blocks, so sequences of any
-length share one pool without fragmentation, and a finished sequence's blocks
-go straight back to the pool for the next request.
+with a KV cache"). A sequence maps a list of blocks (its block table), so
+sequences of any length share one pool without fragmentation; which block is
+whose, and which finished blocks are kept for reuse, is the allocator's
+business (`block_manager.py`).
 """
 
 from __future__ import annotations
@@ -17,56 +18,12 @@ from torch import Tensor
 
 from decodespec.spec.forward import ModelConfig, PagedBatch
 
-
-class CacheFullError(RuntimeError):
-    """The pool has fewer free blocks than a request needs."""
-
-
-class BlockAllocator:
-    """A free list of block indices.
-
-    Example:
-        >>> pool = BlockAllocator(4)
-        >>> blocks = pool.allocate(3)
-        >>> pool.num_free
-        1
-        >>> pool.free(blocks); pool.num_free
-        4
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        # Reused blocks come back first: a block a request just freed is still warm.
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        """Take `count` blocks; raise CacheFullError (taking none) if there are fewer."""
-        if count > len(self._free):
-            raise CacheFullError(
-                f"the KV cache needs {count} more blocks but only {len(self._free)} of "
-                f"{self.num_blocks} are free"
-            )
-        taken = [self._free.pop() for _ in range(count)]
-        return taken
-
-    def free(self, blocks: list[int]) -> None:
-        """Return blocks to the pool."""
-        if any(not 0 <= b < self.num_blocks for b in blocks) or len(set(blocks)) != len(blocks):
-            raise ValueError(f"cannot free blocks {blocks}: out of range or repeated")
-        free = set(self._free)
-        if free.intersection(blocks):
-            raise ValueError(f"blocks {sorted(free.intersection(blocks))} are already free")
-        self._free.extend(reversed(blocks))
+from .block_manager import BlockAllocator, BlockHash, block_hash
 
 
 class PagedKVCache:
-    """Per-layer K and V block pools and the allocator that hands out their blocks."""
+    """Per-layer K and V block pools and the allocator that hands out their blocks
+    (`prefix_caching`: keep finished full blocks for reuse, `BlockAllocator`)."""
 
     def __init__(
         self,
@@ -76,6 +33,8 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        prefix_caching: bool = False,
+        hash_fn: BlockHash = block_hash,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -98,7 +57,7 @@ class PagedKVCache:
                 f"{size / 2**30:.1f} GiB on {device}, which cannot be allocated: lower "
                 f"cache_tokens (or block_size) ({type(error).__name__})"
             ) from error
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, prefix_caching=prefix_caching, hash_fn=hash_fn)
 
     def blocks_for(self, num_tokens: int) -> int:
         """How many blocks hold `num_tokens` positions."""

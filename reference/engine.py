@@ -57,6 +57,9 @@ class Engine:
         block_size: positions per cache block, >= 1.
         cache_tokens: cache capacity in positions over all requests, >= 1
             (rounded up to whole blocks).
+        prefix_caching: keep full blocks after their request finishes and let
+            requests that start with the same tokens map them instead of
+            prefilling them again (LOOP-PREFIX-1; no effect with naive).
         show_probs: with N > 0, events carry the top-N candidates (N <= 20).
         seed: seeds the generator that gives unseeded requests their seed.
         speculate: a drafter for speculative decoding: "ngram" (prompt lookup),
@@ -80,14 +83,16 @@ class Engine:
         naive: bool = False,
         block_size: int = 16,
         cache_tokens: int = 16_384,
+        prefix_caching: bool = True,
         show_probs: int = 0,
         seed: int | None = None,
         speculate: str | None = None,
         num_draft: int = 4,
         draft_model: ModelWeights | None = None,
     ) -> None:
-        if not isinstance(naive, bool):
-            raise TypeError(f"naive must be True or False, got {naive!r}")
+        for name, flag in (("naive", naive), ("prefix_caching", prefix_caching)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
         block_size = _check_int("block_size", block_size, 1)
         cache_tokens = _check_int("cache_tokens", cache_tokens, 1)
         self.show_probs = _check_int("show_probs", show_probs, 0)
@@ -111,7 +116,7 @@ class Engine:
             blocks = -(-cache_tokens // block_size)
             self.cache = PagedKVCache(
                 self.config, num_blocks=blocks, block_size=block_size, dtype=weights.dtype,
-                device=weights.device,
+                device=weights.device, prefix_caching=prefix_caching,
             )  # fmt: skip
         self.scheduler = Scheduler(self.cache, self.config.max_context)
         self.runner = ModelRunner(weights, self.backend, self.cache, self.eos_token_ids)

@@ -9,6 +9,8 @@ from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.sampling import SamplingParams
 from decodespec.spec.stop import StopChecker
 
+from .block_manager import PrefixKey
+
 
 @dataclass(frozen=True)
 class Event:
@@ -41,6 +43,9 @@ class Request:
     num_draft: int | None = None  # this request's cap on drafts per step (None: the engine's)
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose K/V are in the cache
+    # Keys of the leading full blocks registered for prefix caching (`Scheduler.remember`).
+    prefix_keys: list[PrefixKey] = field(default_factory=list)
+    cached_prompt_tokens: int | None = None  # prompt tokens reused at first admission
     draft_cached: int = 0  # positions a second-model drafter has cached
     target_passes: int = 0  # forward passes of the target that gave this request tokens
     drafted: int = 0  # draft tokens proposed
@@ -93,6 +98,9 @@ class RequestOutput:
     acceptance_rate: float | None = None
     tokens_per_target_pass: float | None = None
     preemptions: int = 0
+    # Prompt tokens whose keys and values came from the prefix cache (OpenAI's
+    # `usage.prompt_tokens_details.cached_tokens`).
+    cached_tokens: int = 0
 
     @classmethod
     def of(cls, r: Request) -> RequestOutput:
@@ -119,4 +127,5 @@ class RequestOutput:
             acceptance_rate=r.accepted / r.drafted if r.drafted else None,
             tokens_per_target_pass=len(r.output_ids) / r.target_passes if r.target_passes else None,
             preemptions=r.preemptions,
+            cached_tokens=r.cached_prompt_tokens or 0,
         )

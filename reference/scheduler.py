@@ -9,6 +9,12 @@ running request is never failed for lack of cache. Waiting requests are
 admitted only after that, first come first served, while blocks last, and
 not in a step that had to preempt. A request that could never fit alone
 (prompt + max_tokens beyond the cache) is refused when it is added.
+
+With prefix caching, a request admitted maps the cached blocks that hold the
+longest whole-block prefix of its sequence (never its last token, whose
+logits it needs) and runs only the rest; after each pass, its newly full
+blocks are registered so that later requests can map them
+(`block_manager.py`, LOOP-PREFIX-1).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .cache import CacheFullError, PagedKVCache
+from .block_manager import CacheFullError
+from .cache import PagedKVCache
 from .request import Event, Request
 from .runner import Outcome
 from .speculation import Speculator
@@ -78,11 +85,30 @@ class Scheduler:
                 if victim is request:
                     break
         while self.waiting and not preempted:
-            request = self.waiting[0]
-            if not self.grow(request, request.length):
+            if not self.admit(self.waiting[0]):
                 break  # it fits once running requests finish
             self.running.append(self.waiting.popleft())
         return list(self.running)
+
+    def admit(self, request: Request) -> bool:
+        """Give a waiting request its blocks: the cached ones that hold a prefix of its
+        sequence, then new ones for the rest; False (taking none) if they do not fit."""
+        if self.cache is None:
+            return True
+        sequence = request.prompt_ids + request.output_ids
+        allocator, size = self.cache.allocator, self.cache.block_size
+        # The last token always runs: its logits choose the next token.
+        hits, keys = allocator.match_prefix(sequence, size, (len(sequence) - 1) // size)
+        allocator.share(hits)  # before allocating, so that no hit is evicted for the rest
+        request.blocks = list(hits)
+        if not self.grow(request, request.length):
+            self._release(request)
+            return False
+        request.num_cached = len(hits) * size
+        request.prefix_keys = keys
+        if request.cached_prompt_tokens is None:
+            request.cached_prompt_tokens = min(request.num_cached, len(request.prompt_ids))
+        return True
 
     def grow(self, request: Request, positions: int) -> bool:
         """Give the request blocks for `positions` positions; False (taking none) if
@@ -145,12 +171,30 @@ class Scheduler:
         if self.cache is not None and request.blocks:
             self.cache.allocator.free(request.blocks)
         request.blocks = []
+        request.prefix_keys = []
+
+    def remember(self, request: Request, written: int) -> None:
+        """Register the request's full blocks within its first `written` positions
+        (all computed from its own tokens) for prefix caching."""
+        if self.cache is None or not self.cache.allocator.prefix_caching:
+            return
+        size = self.cache.block_size
+        sequence = request.prompt_ids + request.output_ids
+        for i in range(len(request.prefix_keys), written // size):
+            parent = request.prefix_keys[-1] if request.prefix_keys else None
+            tokens = sequence[i * size : (i + 1) * size]
+            request.prefix_keys.append(
+                self.cache.allocator.register(request.blocks[i], parent, tokens)
+            )
 
     def postprocess(self, request: Request, outcome: Outcome, now: float) -> list[Event]:
         """Append a pass's tokens to the request, up to the first that finishes it, and
         return its events; then give back the blocks of rejected drafts."""
         if outcome.error is not None:
             return [self.fail(request, outcome.error)]
+        # Positions before the tokens this pass emits hold the keys and values of the
+        # request's own tokens; any after them are drafts', which may be rejected.
+        self.remember(request, min(request.num_cached, request.length))
         request.target_passes += 1
         if outcome.drafted:
             Speculator.record(request, outcome.drafted, accepted=len(outcome.tokens) - 1)

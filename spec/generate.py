@@ -24,6 +24,16 @@ would get NaN logits.
 `forward_cached` call at positions 0 … n − 1, appending their K/V to the
 cache; the logits after the last prompt token are the first step's logits.
 
+[LOOP-PREFIX-1] Reusing a cached prefix changes nothing. By FWD-CACHE-1 the
+keys and values at position p depend only on the tokens at positions 0 … p,
+so an engine may start a request with its first m positions already cached —
+keys and values another request computed for the same tokens at the same
+positions (prefix caching) — and run only the tokens after them, m short of
+the whole sequence (the last token always runs: its logits choose the next
+one). The request's tokens, text, logprobs and finish reason are the loop's.
+Fewer tokens in a pass may change a logit in its last bits, as batching
+does; equality is then decided with the same explicit near-tie ambiguity.
+
 [LOOP-DECODE-1] Every later step t (counting from 0) runs exactly one token,
 the one step t − 1 emitted, at position n + t − 1 through the cache; the
 logits after it are step t's logits (by FWD-CACHE-1, `forward_naive`'s on

@@ -156,9 +156,10 @@ def workloads(draw: st.DrawFn, sampled: bool = True, max_requests: int = 5):
     return requests
 
 
-def run_workload(engine: Engine, workload, abort_at: dict[int, int] | None = None):
+def run_workload(engine: Engine, workload, abort_at: dict[int, int] | None = None, after_step=None):
     """Add each request at its arrival step (ties in list order), step until done;
-    `abort_at` maps a workload index to the step at which it is aborted."""
+    `abort_at` maps a workload index to the step at which it is aborted;
+    `after_step(engine)` runs after every step (invariant checks)."""
     abort_at = abort_at or {}
     ids: dict[int, int] = {}
     events: dict[int, list] = {}
@@ -173,6 +174,8 @@ def run_workload(engine: Engine, workload, abort_at: dict[int, int] | None = Non
                 engine.abort(ids[index])
         for e in engine.step():
             events[e.request_id].append(e)
+        if after_step is not None:
+            after_step(engine)
         step += 1
         assert step < 500, "the engine stopped making progress"
     return ids, events
