@@ -61,11 +61,17 @@ def load_model(path: str | None) -> tuple[ModelWeights, Tokenizer]:
     return weights, tokenizer
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str, raw: bool) -> list[int]:
-    """The prompt's token ids, wrapped in the model's chat template unless `raw`."""
+def prompt_ids(
+    tokenizer: Tokenizer, prompt: str, raw: bool, system: str | None = None
+) -> list[int]:
+    """The prompt's token ids, wrapped in the model's chat template (after the `system`
+    message, if any) unless `raw`."""
     if raw or tokenizer.chat_template is None:
+        if system is not None:
+            raise ValueError("a system message needs the chat template (not raw)")
         return tokenizer.encode(prompt)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": prompt}])
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -96,6 +102,7 @@ def _output_json(out: RequestOutput, show_logprobs: bool, speculating: bool) -> 
         "finish_reason": out.finish_reason,
         "seed": out.seed,
         "prompt_tokens": out.prompt_tokens,
+        "cached_tokens": out.cached_tokens,
         "completion_tokens": out.completion_tokens,
         "ttft_s": out.ttft_s,
         "tokens_per_s": out.tokens_per_s,
@@ -156,6 +163,8 @@ def _speculation(spec: str | None) -> tuple[str | None, str | None]:
 def generate(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model fails before it loads.
     params = _params(args)
+    if args.raw and args.system is not None:
+        raise ValueError("--system needs the chat template: it cannot be used with --raw")
     speculate, draft_path = _speculation(args.speculate)
     if args.num_draft < 1:
         raise ValueError(f"--num-draft must be >= 1, got {args.num_draft}")
@@ -173,12 +182,29 @@ def generate(args: argparse.Namespace) -> int:
         tokenizer,
         backend=args.backend,
         naive=args.naive,
+        prefix_caching=not args.no_prefix_caching,
         show_probs=args.show_probs,
         speculate=speculate,
         num_draft=args.num_draft,
         draft_model=draft_model,
     )
-    ids = prompt_ids(tokenizer, args.prompt, args.raw)
+    failed = False
+    for prompt in args.prompt:  # one engine: a later prompt reuses the earlier ones' prefix
+        ids = prompt_ids(tokenizer, prompt, args.raw, args.system)
+        out = _answer(engine, tokenizer, ids, params, args, speculate is not None)
+        failed = failed or out.error is not None
+    return 1 if failed else 0
+
+
+def _answer(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    ids: list[int],
+    params: SamplingParams,
+    args: argparse.Namespace,
+    speculating: bool,
+) -> RequestOutput:
+    """Stream one prompt's answer (or print its JSON line) and its statistics line."""
     request_id = None
     for event in engine.generate(ids, params):
         request_id = event.request_id
@@ -192,36 +218,37 @@ def generate(args: argparse.Namespace) -> int:
     assert request_id is not None
     out = engine.output(request_id)
     if args.json:
-        print(json.dumps(_output_json(out, args.logprobs is not None, speculate is not None)))
+        print(json.dumps(_output_json(out, args.logprobs is not None, speculating)), flush=True)
         if out.error:
             print(f"decodespec: error: {out.error}", file=sys.stderr)
+        return out
+    if args.show_probs:
+        print(f"\n{out.text}")
     else:
-        if args.show_probs:
-            print(f"\n{out.text}")
-        else:
-            print()
-        if out.logprobs:
-            for lp in out.logprobs:
-                token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
-                print(f"{token!r:>16} logprob {lp.logprob:8.4f} rank {lp.rank}", file=sys.stderr)
-        rate = f"{out.tokens_per_s:.1f} tokens/s" if out.tokens_per_s else "- tokens/s"
-        ttft = f"{out.ttft_s:.2f} s" if out.ttft_s is not None else "-"
-        speculation = ""
-        if speculate is not None:
-            accepted = f"{out.acceptance_rate:.0%}" if out.acceptance_rate is not None else "-"
-            speculation = (
-                f", {args.speculate}: {accepted} of {out.draft_tokens} drafts accepted, "
-                f"{out.tokens_per_target_pass or 0:.2f} tokens per target pass"
-            )
-        print(
-            f"[{out.completion_tokens} tokens, finish: {out.finish_reason}, seed: {out.seed}, "
-            f"TTFT {ttft}, {rate}, backend {args.backend}{', naive' if args.naive else ''}"
-            f"{speculation}]",
-            file=sys.stderr,
+        print()
+    if out.logprobs:
+        for lp in out.logprobs:
+            token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
+            print(f"{token!r:>16} logprob {lp.logprob:8.4f} rank {lp.rank}", file=sys.stderr)
+    rate = f"{out.tokens_per_s:.1f} tokens/s" if out.tokens_per_s else "- tokens/s"
+    ttft = f"{out.ttft_s:.2f} s" if out.ttft_s is not None else "-"
+    speculation = ""
+    if speculating:
+        accepted = f"{out.acceptance_rate:.0%}" if out.acceptance_rate is not None else "-"
+        speculation = (
+            f", {args.speculate}: {accepted} of {out.draft_tokens} drafts accepted, "
+            f"{out.tokens_per_target_pass or 0:.2f} tokens per target pass"
         )
-        if out.error:
-            print(f"decodespec: error: {out.error}", file=sys.stderr)
-    return 1 if out.error else 0
+    print(
+        f"[{out.completion_tokens} tokens, finish: {out.finish_reason}, seed: {out.seed}, "
+        f"TTFT {ttft}, {rate}, prompt {out.prompt_tokens} tokens ({out.cached_tokens} cached), "
+        f"backend {args.backend}{', naive' if args.naive else ''}{speculation}]",
+        file=sys.stderr,
+        flush=True,
+    )
+    if out.error:
+        print(f"decodespec: error: {out.error}", file=sys.stderr)
+    return out
 
 
 # ---------------------------------------------------------------- serve
@@ -256,6 +283,7 @@ def serve(args: argparse.Namespace) -> int:
         tokenizer,
         backend=args.backend,
         cache_tokens=args.cache_tokens,
+        prefix_caching=not args.no_prefix_caching,
         speculate=speculate,
         num_draft=args.num_draft,
         draft_model=draft_model.to(device) if draft_model is not None else None,
@@ -331,7 +359,13 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text from a prompt, streamed")
-    gen.add_argument("prompt")
+    gen.add_argument(
+        "prompt",
+        nargs="+",
+        help="one or more prompts, answered one after another by one engine (a later one "
+        "reuses the cache blocks of the prefix it shares with an earlier one)",
+    )
+    gen.add_argument("--system", metavar="TEXT", help="a system message before each prompt")
     gen.add_argument("--model", help="GGUF file or Hugging Face directory (default: bundled)")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -359,6 +393,11 @@ def _parser() -> argparse.ArgumentParser:
         help="where the model runs (auto: the GPU if there is one)",
     )
     gen.add_argument("--naive", action="store_true", help="no KV cache: recompute every step")
+    gen.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the cache blocks of a prefix an earlier prompt computed",
+    )
     gen.add_argument(
         "--speculate",
         metavar="DRAFTER",
@@ -390,6 +429,12 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     srv.add_argument(
         "--cache-tokens", type=int, default=16_384, help="KV cache capacity in positions"
+    )
+    srv.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefill every prompt whole: no reuse of the blocks of a prefix another "
+        "request computed (prefix caching is on by default)",
     )
     srv.add_argument("--speculate", metavar="DRAFTER", help="as for generate")
     srv.add_argument("--num-draft", type=int, default=4, metavar="K")

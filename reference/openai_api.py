@@ -431,11 +431,13 @@ class Responder:
 
 
 def usage(output: RequestOutput) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens the prefix cache served."""
     total = output.prompt_tokens + output.completion_tokens
     return {
         "prompt_tokens": output.prompt_tokens,
         "completion_tokens": output.completion_tokens,
         "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
     }
 
 

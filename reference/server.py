@@ -285,11 +285,12 @@ def _log_output(route: str, request_id: str, output: RequestOutput, streamed: bo
     gaps = output.inter_token_latencies_s
     itl = f"{statistics.median(gaps) * 1000:.0f} ms" if gaps else "-"
     log.info(
-        "%s %s %s prompt %d completion %d finish %s ttft %s itl p50 %s %s tok/s",
+        "%s %s %s prompt %d (%d cached) completion %d finish %s ttft %s itl p50 %s %s tok/s",
         route,
         request_id,
         "stream" if streamed else "whole",
         output.prompt_tokens,
+        output.cached_tokens,
         output.completion_tokens,
         output.finish_reason,
         ttft,

@@ -43,6 +43,7 @@ JSON_KEYS = {
     "finish_reason",
     "seed",
     "prompt_tokens",
+    "cached_tokens",
     "completion_tokens",
     "ttft_s",
     "tokens_per_s",
@@ -50,6 +51,7 @@ JSON_KEYS = {
 STATS = re.compile(
     r"^\[(?P<tokens>\d+) tokens, finish: (?P<finish>\w+), seed: (?P<seed>\d+), "
     r"TTFT (?P<ttft>[\d.]+ s|-), (?P<rate>[\d.]+|-) tokens/s, "
+    r"prompt (?P<prompt>\d+) tokens \((?P<cached>\d+) cached\), "
     r"backend (?P<backend>\w+)(?P<naive>, naive)?\]$",
     re.MULTILINE,
 )
@@ -653,6 +655,40 @@ def test_bad_model_path_exits_2(model, tmp_path, make_file, message):
     run = run_cli(model, "generate", "hi", "--model", path)
     assert_usage_error(run, message)
     assert run.loads == [path]  # the real loader, given --model
+
+
+# ---------------------------------------------------------------- several prompts
+
+
+@pytest.mark.clause("LOOP-PREFIX-1")
+def test_later_prompts_reuse_the_system_prompts_blocks(model):
+    """Two questions after one system message, answered one after another: the
+    second maps the cached blocks of the shared prefix, says how many tokens they
+    hold, and answers as it does with prefix caching off."""
+    _, tokenizer = model
+    system = "You are a geography teacher. Answer with one word, then stop."
+    argv = ("generate", QUESTION, "Name the largest ocean.", "--system", system)
+    flags = ("--max-tokens", "4", "--ignore-eos", "--json")
+    cached = run_cli(model, *argv, *flags)
+    plain = run_cli(model, *argv, *flags, "--no-prefix-caching")
+    first, second = [json.loads(line) for line in cached.out.splitlines()]
+    assert cached.code == plain.code == 0, cached.err + plain.err
+    ids = [cli.prompt_ids(tokenizer, q, False, system) for q in argv[1:3]]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == shared // 16 * 16 > 0
+    assert [json.loads(line)["cached_tokens"] for line in plain.out.splitlines()] == [0, 0]
+    assert [first["token_ids"], second["token_ids"]] == [
+        json.loads(line)["token_ids"] for line in plain.out.splitlines()
+    ]
+    text = run_cli(model, *argv, "--max-tokens", "2")
+    stats = [m["cached"] for m in STATS.finditer(text.err)]
+    assert stats == ["0", str(second["cached_tokens"])], text.err
+
+
+def test_a_system_message_needs_the_chat_template():
+    run = run_cli(None, "generate", "hi", "--raw", "--system", "Be brief.")
+    assert_usage_error(run, r"--system needs the chat template")
+    assert run.loads == []
 
 
 @pytest.mark.clause("PARAM-RANGE-1")

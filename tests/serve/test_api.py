@@ -202,7 +202,12 @@ def test_a_completion_has_the_openai_shape(client, engine):
     assert response["id"].startswith("cmpl-")
     (choice,) = response["choices"]
     assert choice["finish_reason"] == "length"
-    assert response["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert response["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 5
     assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
@@ -212,6 +217,25 @@ def test_a_completion_has_the_openai_shape(client, engine):
     timing = response["timing"]
     assert timing["ttft_s"] > 0 and len(timing["inter_token_latencies_s"]) == 4
     assert not engine.requests
+
+
+@pytest.mark.clause("LOOP-PREFIX-1")
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
+    """Two chats with one system message: the second maps the blocks (of 4 tokens)
+    of their common prefix, and says so as OpenAI does; streamed usage too."""
+    system = {"role": "system", "content": "Answer in French, briefly, always."}
+    common = len(f"<system>{system['content']}<user>")  # one byte, one token
+    cached = []
+    for question, stream in (("Hi?", False), ("Why?", False), ("Who?", True)):
+        body = {"messages": [system, {"role": "user", "content": question}], "max_tokens": 2}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            response = client.post("/v1/chat/completions", json=body)
+            usage = sse_payloads(response.text)[-2]["usage"]
+        else:
+            usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, common // 4 * 4, common // 4 * 4]
 
 
 def test_a_stream_is_server_sent_events_ending_with_done(client):

@@ -48,6 +48,10 @@ def test_chat_whole_and_streamed_give_the_same_answer(client, live_server):
     ]
     assert finish == [whole.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # The same prompt again: its whole blocks (16 tokens each) come from the prefix
+    # cache, all but the last token, which always runs (LOOP-PREFIX-1).
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert cached == (whole.usage.prompt_tokens - 1) // 16 * 16 > 0
     timing = whole.model_extra["timing"]
     assert 0 < timing["ttft_s"] < 60 and len(timing["inter_token_latencies_s"]) == (
         whole.usage.completion_tokens - 1
