@@ -104,6 +104,7 @@ class BlockAllocator:
         self._entries: dict[int, _Entry] = {}  # block -> what it holds
         self._table: dict[bytes, list[int]] = {}  # key -> blocks registered under it
         self._serials = itertools.count(1)
+        self.evictions = 0  # cached blocks taken back for other contents
 
     @property
     def num_free(self) -> int:
@@ -135,6 +136,7 @@ class BlockAllocator:
             else:  # evict the least recently used cached prefix block
                 block, _ = self._cached.popitem(last=False)
                 self._forget(block)
+                self.evictions += 1
             self.ref_counts[block] = 1
             taken.append(block)
         return taken

@@ -3,8 +3,8 @@
 Without CUDA a GPU benchmark refuses before doing any work; `--smoke` runs it
 on tiny shapes in the Triton interpreter and writes a results file of the real
 run's form. The CPU benchmark of speculative decoding runs its `--smoke` on a
-tiny random model; the serving benchmark's `--smoke` serves the bundled model
-to a few clients for a few tokens.
+tiny random model, and so does the prefix-caching one; the serving benchmark's
+`--smoke` serves the bundled model to a few clients for a few tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ SAMPLING = [sys.executable, "-m", "tests.benchmarks.sampling"]
 SAMPLING_PEERS = {"sort_based", "flashinfer"}
 SPECULATIVE = [sys.executable, "-m", "tests.benchmarks.speculative"]
 SERVE = [sys.executable, "-m", "tests.benchmarks.serve"]
+PREFIX = [sys.executable, "-m", "tests.benchmarks.prefix"]
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
@@ -190,3 +191,35 @@ def test_serve_benchmark_smoke(tmp_path):
     section = serve_section(report)
     assert "Smoke run" in section and "| 16 | 16 |" in section
     assert "in-process" in section and report["date"] in section
+
+
+def test_prefix_benchmark_smoke(tmp_path):
+    """Each system-prompt length with the cache off and on; later questions hit it."""
+    from docs.tools.figures import prefix_cache_figure
+    from docs.tools.performance import prefix_section
+
+    out = tmp_path / "results" / "prefix-cpu.json"
+    result = run([*PREFIX, "--smoke", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and "not measurements" in report["note"]
+    header = {"benchmark", "command", "date", "device", "cores", "threads", "software", "model"}
+    assert header | {"statistic", "lengths", "targets", "same_tokens", "backend"} <= set(report)
+    assert report["same_tokens"] is True
+    assert [row["system_tokens"] for row in report["lengths"]] == [24, 40]
+    for row in report["lengths"]:
+        off, on = row["cache_off"], row["cache_on"]
+        assert off["warm_cached_tokens"] == [0] * (row["questions"] - 1)
+        # The system prompt's whole blocks of 16 at least, never the whole prompt.
+        for cached, prompt in zip(on["warm_cached_tokens"], on["warm_prompt_tokens"], strict=True):
+            assert row["system_tokens"] // 16 * 16 <= cached < prompt
+        assert 0 < on["hit_rate"] < 1 and off["hit_rate"] == 0
+        for key in ("cold_ttft_ms", "warm_ttft_ms"):
+            assert is_finite_number(off[key]) and is_finite_number(on[key]) and on[key] > 0
+        assert str(row["system_tokens"]) in result.stdout
+    assert len(report["targets"]) == 2
+    assert all(target["met"] in (True, False) for target in report["targets"])
+
+    section = prefix_section(report)
+    assert "Smoke run" in section and "| 24 |" in section and "ttft-prefix-cache.svg" in section
+    assert prefix_cache_figure(report).startswith("<svg")

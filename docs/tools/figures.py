@@ -26,6 +26,7 @@ CAPTION_SOURCES = {
     "cpu-engine": (RESULTS_DIR / "cpu-engine.json", "make bench-cpu"),
     "engine-timing": (DATA_DIR / "engine-timing.json", "make docs-data"),
     "sampling": (DATA_DIR / "sampling.json", "make docs-data"),
+    "prefix-cpu": (RESULTS_DIR / "prefix-cpu.json", "make bench-prefix"),
 }
 
 
@@ -187,6 +188,21 @@ def ttft_figure(timing: dict) -> str:
     )
 
 
+def prefix_cache_figure(prefix: dict) -> str:
+    """Warm questions' TTFT against the system prompt's length, prefix caching off and on."""
+    rows = prefix["lengths"]
+    lengths = [r["system_tokens"] for r in rows]
+    return svg.line_chart(
+        [
+            Series(label, lengths, [r[setting]["warm_ttft_ms"] for r in rows])
+            for label, setting in (("cache off", "cache_off"), ("cache on", "cache_on"))
+        ],
+        title="Time to first token of a question after a repeated system prompt",
+        x_label="system prompt tokens",
+        y_label="ms",
+    )
+
+
 def timeline_figure(timing: dict) -> str:
     """Tokens received over time by one request: a wait (TTFT), then a steady rate."""
     times = timing["timeline"]["token_times_ms"]
@@ -301,6 +317,9 @@ def all_figures(data_dir: Path = DATA_DIR, results_dir: Path = RESULTS_DIR) -> d
         figures[f"{FIGURES}/cached-decode-vs-context.svg"] = cached_decode_figure(timing)
         figures[f"{FIGURES}/ttft-vs-prompt.svg"] = ttft_figure(timing)
         figures[f"{FIGURES}/token-timeline.svg"] = timeline_figure(timing)
+    prefix = read_json(results_dir / "prefix-cpu.json")
+    if prefix is not None:
+        figures[f"{FIGURES}/ttft-prefix-cache.svg"] = prefix_cache_figure(prefix)
     sampling = read_json(data_dir / "sampling.json")
     if sampling is not None:
         for view in sampling["distribution"]["views"]:

@@ -18,6 +18,8 @@ ATTENTION_FILE = "attention-gpu.json"
 SAMPLING_FILE = "sampling-gpu.json"
 SPECULATIVE_FILE = "cpu-speculative.json"
 SERVE_FILE = "serve-cpu.json"
+PREFIX_FILE = "prefix-cpu.json"
+PREFIX_FIGURE = f"{FIGURES}/ttft-prefix-cache.svg"
 ATTENTION_FIGURE = f"{FIGURES}/attention-bandwidth.svg"
 SAMPLING_FIGURE = f"{FIGURES}/sampling-one-read.svg"
 NAIVE_FIGURE = f"{FIGURES}/naive-vs-cached.svg"
@@ -269,6 +271,60 @@ def serve_section(report: dict | None) -> str:
     )
 
 
+def prefix_section(report: dict | None) -> str:
+    """Time to first token after a repeated system prompt, prefix caching off and on."""
+    heading = "## Prefix caching on a CPU\n\n"
+    if report is None:
+        return heading + not_measured(PREFIX_FILE, "make bench-prefix").replace(" on a GPU", "")
+    environment = {
+        **report["software"],
+        "device": f"{report['device']}, {report['cores']} cores, {report['threads']} threads",
+        "date": report["date"],
+    }
+    rows = [
+        [
+            str(row["system_tokens"]),
+            f"{row['cache_off']['cold_ttft_ms']:.0f}",
+            f"{row['cache_off']['warm_ttft_ms']:.0f}",
+            f"{row['cache_on']['warm_ttft_ms']:.0f}",
+            f"{row['warm_speedup']:.1f}×",
+            " / ".join(str(n) for n in row["cache_on"]["warm_cached_tokens"]),
+            f"{row['cache_on']['hit_rate']:.0%}",
+            "yes" if row["same_tokens"] else "**no**",
+        ]
+        for row in report["lengths"]
+    ]
+    return (
+        heading
+        + smoke_warning(report)
+        + f"{measured_on(environment, report['command'])}\n\n"
+        + f"Model: {report['model']}, backend `{report['backend']}`, blocks of "
+        + f"{report['block_size']} tokens. A system prompt, then a short question per "
+        + "request, answered one after another by a fresh engine per setting; "
+        + f"{report['sampling']}; statistic: {report['statistic']}. The first question "
+        + "is cold in both settings; with the cache on, the later ones map the blocks "
+        + "it filled and prefill only the rest.\n\n"
+        + f"![Time to first token with and without prefix caching]({PREFIX_FIGURE})\n\n"
+        + table(
+            [
+                "system tokens",
+                "first question TTFT ms",
+                "later TTFT ms, cache off",
+                "later TTFT ms, cache on",
+                "off / on",
+                "cached tokens per later question",
+                "hit rate",
+                "same tokens",
+            ],
+            rows,
+        )
+        + "\n\nThe hit rate is the later questions' cached prompt tokens over their prompt "
+        + "tokens: the system prompt (and any opening the questions share), in whole blocks.\n\n"
+        + "### Targets\n\n"
+        + targets_list(report["targets"])
+    )
+
+
 # ---------------------------------------------------------------- GPU kernels
 
 
@@ -344,6 +400,7 @@ def performance_page(results_dir: Path = RESULTS_DIR) -> str:
         cpu_section(read_json(results_dir / CPU_FILE)),
         speculative_section(read_json(results_dir / SPECULATIVE_FILE)),
         serve_section(read_json(results_dir / SERVE_FILE)),
+        prefix_section(read_json(results_dir / PREFIX_FILE)),
         attention_section(read_json(results_dir / ATTENTION_FILE)),
         sampling_section(read_json(results_dir / SAMPLING_FILE)),
     ]

@@ -234,6 +234,7 @@ def test_missing_results_say_not_measured_yet(tmp_path):
     assert "Not measured yet: run `make bench-sampling` on a GPU" in page
     assert "Not measured yet: run `make bench-cpu`" in page
     assert "Not measured yet: run `make bench-serve`" in page
+    assert "Not measured yet: run `make bench-prefix`" in page
     assert "make bench-serve` on a GPU" not in page
     assert performance_figures(tmp_path) == {}
 
@@ -283,6 +284,23 @@ def test_performance_page_shows_the_serving_benchmark():
         )
     assert f"{serve['in_process_tokens_per_s']:.1f} tok/s" in page
     assert f"backend `{serve['backend']}`" in page
+
+
+def test_performance_page_and_home_figure_show_the_prefix_caching_benchmark():
+    prefix = json.loads((ROOT / "results" / "prefix-cpu.json").read_text())
+    assert prefix["smoke"] is False and prefix["same_tokens"] is True
+    page = performance_page()
+    assert "## Prefix caching on a CPU" in page and prefix["command"] in page
+    assert prefix["device"] in page and prefix["date"] in page
+    for row in prefix["lengths"]:
+        off, on = row["cache_off"], row["cache_on"]
+        cells = (
+            f"| {row['system_tokens']} | {off['cold_ttft_ms']:.0f} | {off['warm_ttft_ms']:.0f} |"
+        )
+        assert f"{cells} {on['warm_ttft_ms']:.0f} | {row['warm_speedup']:.1f}× |" in page
+    caption = fill_captions("<!-- measured: prefix-cpu -->")
+    assert prefix["device"] in caption and prefix["command"] in caption
+    parse_svg(all_figures()["assets/figures/ttft-prefix-cache.svg"])
 
 
 def test_captions_name_device_date_and_command():
