@@ -60,6 +60,15 @@ def measured_on(environment: dict, command: str) -> str:
     )
 
 
+def cpu_environment(report: dict) -> dict:
+    """`measured_on`'s environment for a CPU results file: software, CPU, date."""
+    return {
+        **report["software"],
+        "device": f"{report['device']}, {report['cores']} cores, {report['threads']} threads",
+        "date": report["date"],
+    }
+
+
 def smoke_warning(report: dict) -> str:
     """A warning for a `--smoke` run, whose timings are not measurements."""
     if not report.get("smoke"):
@@ -189,11 +198,7 @@ def speculative_section(report: dict | None) -> str:
     if report is None:
         command = "make bench-speculative"
         return heading + not_measured(SPECULATIVE_FILE, command).replace(" on a GPU", "")
-    environment = {
-        **report["software"],
-        "device": f"{report['device']}, {report['cores']} cores, {report['threads']} threads",
-        "date": report["date"],
-    }
+    environment = cpu_environment(report)
     return (
         heading
         + smoke_warning(report)
@@ -224,11 +229,7 @@ def serve_section(report: dict | None) -> str:
     heading = "## Serving on a CPU\n\n"
     if report is None:
         return heading + not_measured(SERVE_FILE, "make bench-serve").replace(" on a GPU", "")
-    environment = {
-        **report["software"],
-        "device": f"{report['device']}, {report['cores']} cores, {report['threads']} threads",
-        "date": report["date"],
-    }
+    environment = cpu_environment(report)
     rows = [
         [
             str(run["concurrency"]),
@@ -276,11 +277,7 @@ def prefix_section(report: dict | None) -> str:
     heading = "## Prefix caching on a CPU\n\n"
     if report is None:
         return heading + not_measured(PREFIX_FILE, "make bench-prefix").replace(" on a GPU", "")
-    environment = {
-        **report["software"],
-        "device": f"{report['device']}, {report['cores']} cores, {report['threads']} threads",
-        "date": report["date"],
-    }
+    environment = cpu_environment(report)
     rows = [
         [
             str(row["system_tokens"]),

@@ -34,9 +34,6 @@ measures nothing.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 from collections.abc import Sequence
@@ -51,7 +48,7 @@ from decodespec.spec.forward import ModelWeights
 from decodespec.spec.sampling import SamplingParams
 from tests.benchmarks.gpu import print_targets, write_json
 from tests.benchmarks.speculative import PARAGRAPH, load
-from tests.benchmarks.test_cpu_engine import cpu_name
+from tests.benchmarks.test_cpu_engine import cpu_report_header
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "results" / "prefix-cpu.json"
@@ -199,15 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     weights, tokenizer, model = load(args.smoke)
     rows = [measure_length(weights, tokenizer, length, args) for length in lengths]
     summary = {
-        "benchmark": "prefix-cpu",
-        "command": " ".join([COMMAND, *argv]),
-        "smoke": args.smoke,
-        **({"note": SMOKE_NOTE} if args.smoke else {}),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": cpu_name(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "software": {"python": platform.python_version(), "torch": torch.__version__},
+        **cpu_report_header(
+            "prefix-cpu", " ".join([COMMAND, *argv]), SMOKE_NOTE if args.smoke else None
+        ),
         "model": model,
         "backend": args.backend,
         "block_size": 16,

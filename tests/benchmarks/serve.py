@@ -29,8 +29,6 @@ round: it checks the command end to end and measures nothing.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -41,7 +39,7 @@ import torch
 
 from decodespec.reference.backend import SERVE_BACKEND
 from tests.benchmarks.gpu import fmt, print_targets, write_json
-from tests.benchmarks.test_cpu_engine import cpu_name
+from tests.benchmarks.test_cpu_engine import cpu_report_header
 from tests.serve import load
 from tests.serve.live import LiveServer
 
@@ -166,14 +164,11 @@ def versions() -> dict:
 def report(args: argparse.Namespace, argv: Sequence[str]) -> dict:
     model, runs, in_process, in_process_all = measure(args)
     return {
-        "benchmark": "serve-cpu",
-        "command": " ".join([COMMAND, *argv]) if argv else MAKE_COMMAND,
-        "smoke": args.smoke,
-        **({"note": SMOKE_NOTE} if args.smoke else {}),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": cpu_name(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
+        **cpu_report_header(
+            "serve-cpu",
+            " ".join([COMMAND, *argv]) if argv else MAKE_COMMAND,
+            SMOKE_NOTE if args.smoke else None,
+        ),
         "software": versions(),
         "model": model,
         "backend": SERVE_BACKEND,

@@ -38,9 +38,6 @@ partner, and runs become up to 20 times slower (seen on a 2-core machine).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -55,7 +52,7 @@ from decodespec.reference.request import RequestOutput
 from decodespec.spec.forward import ModelWeights
 from decodespec.spec.sampling import SamplingParams
 from tests.benchmarks.gpu import fmt, print_targets, write_json
-from tests.benchmarks.test_cpu_engine import cpu_name
+from tests.benchmarks.test_cpu_engine import cpu_report_header
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "results" / "cpu-speculative.json"
@@ -303,15 +300,9 @@ def targets(workloads: list[dict]) -> list[dict]:
 def report(args: argparse.Namespace, argv: Sequence[str], model: str, workloads: list) -> dict:
     """The results file: what, where, how, then the workloads and the targets."""
     return {
-        "benchmark": "cpu-speculative",
-        "command": " ".join([COMMAND, *argv]),
-        "smoke": args.smoke,
-        **({"note": SMOKE_NOTE} if args.smoke else {}),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": cpu_name(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "software": {"python": platform.python_version(), "torch": torch.__version__},
+        **cpu_report_header(
+            "cpu-speculative", " ".join([COMMAND, *argv]), SMOKE_NOTE if args.smoke else None
+        ),
         "model": model,
         "sampling": "greedy (temperature 0), ignore_eos, chat template",
         "max_tokens": args.max_tokens,

@@ -51,6 +51,22 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cpu_report_header(benchmark: str, command: str, smoke_note: str | None) -> dict:
+    """How a CPU results file starts: the benchmark, its command, whether it was a
+    smoke run (and the note saying so), when, on which CPU and software."""
+    return {
+        "benchmark": benchmark,
+        "command": command,
+        "smoke": smoke_note is not None,
+        **({"note": smoke_note} if smoke_note is not None else {}),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "software": {"python": platform.python_version(), "torch": torch.__version__},
+    }
+
+
 @pytest.fixture(scope="module")
 def model():
     return load_model(bundled_model_path())

@@ -33,7 +33,7 @@ from tests.engine.test_engine_vs_spec import (
     run_workload,
     small_model,
 )
-from tests.engine.toy import ByteTokenizer
+from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
 
 def always_collides(parent_key: bytes, tokens) -> bytes:
@@ -192,6 +192,30 @@ def test_a_repeated_system_prompt_is_prefilled_once(hash_name):
     assert [o.cached_tokens for o in cached] == [0, 32, 32]
     assert [o.cached_tokens for o in plain] == [0, 0, 0]
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+
+
+@pytest.mark.clause("LOOP-PREFIX-1")
+def test_the_triton_backend_prefills_after_a_cached_prefix():
+    """The kernels' attention over cached blocks plus a chunk of new rows (Triton
+    interpreter without a GPU, small shapes): the tokens of the cache off."""
+    pytest.importorskip("triton")
+    weights = random_weights(
+        small_config(max_context=32, vocab_size=260, hidden_size=16, num_layers=1), seed=2
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    prompts = [[*SYSTEM[:9], 1, 2, 3], [*SYSTEM[:9], 4, 5]]
+    outputs = {
+        caching: one_after_another(
+            Engine(
+                weights, ByteTokenizer(), backend="triton", block_size=4, prefix_caching=caching
+            ),
+            prompts,
+            params,
+        )
+        for caching in (True, False)
+    }
+    assert [o.cached_tokens for o in outputs[True]] == [0, 8]
+    assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
 
 
 @pytest.mark.clause("LOOP-PREFIX-1")
