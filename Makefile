@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-prefix bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-prefix gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	@python3 -m venv $(VENV) || { \
@@ -112,6 +112,12 @@ bench-attention: $(STAMP)
 # GPU benchmark of the sampling kernels against their peers: results/sampling-gpu.json
 bench-sampling: $(STAMP)
 	$(PY) -m tests.benchmarks.sampling
+
+# Everything that needs a GPU in one command (tests/benchmarks/gpu_check.py): the
+# conformance and kernel tests with large shapes, the kernel benchmarks, the engine with
+# each backend; results/*-gpu.json and results/gpu-check.json. Refuses without CUDA.
+gpu-check: $(STAMP)
+	$(PY) -m tests.benchmarks.gpu_check
 
 # The documentation site, built offline into site/ (mkdocs.yml): `make serve-docs` serves it.
 docs: $(STAMP)

@@ -27,6 +27,8 @@ SAMPLING_PEERS = {"sort_based", "flashinfer"}
 SPECULATIVE = [sys.executable, "-m", "tests.benchmarks.speculative"]
 SERVE = [sys.executable, "-m", "tests.benchmarks.serve"]
 PREFIX = [sys.executable, "-m", "tests.benchmarks.prefix"]
+GPU_CHECK = [sys.executable, "-m", "tests.benchmarks.gpu_check"]
+GPU_ENGINE = [sys.executable, "-m", "tests.benchmarks.gpu_engine"]
 
 
 def run(command: list[str]) -> subprocess.CompletedProcess:
@@ -43,7 +45,11 @@ def is_finite_number(value) -> bool:
     torch.cuda.is_available(),
     reason="a CUDA GPU is present: the benchmark runs instead of refusing",
 )
-@pytest.mark.parametrize("command", [ATTENTION, SAMPLING], ids=["attention", "sampling"])
+@pytest.mark.parametrize(
+    "command",
+    [ATTENTION, SAMPLING, GPU_ENGINE],
+    ids=["attention", "sampling", "gpu-engine"],
+)
 def test_benchmark_refuses_without_cuda(tmp_path, command):
     out = tmp_path / "results.json"
     result = run([*command, "--out", str(out)])
@@ -223,3 +229,60 @@ def test_prefix_benchmark_smoke(tmp_path):
     section = prefix_section(report)
     assert "Smoke run" in section and "| 24 |" in section and "ttft-prefix-cache.svg" in section
     assert prefix_cache_figure(report).startswith("<svg")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: it runs")
+def test_gpu_check_refuses_without_cuda(tmp_path):
+    result = run([*GPU_CHECK, "--out-dir", str(tmp_path)])
+    assert result.returncode == 2, result.stderr
+    assert "a CUDA GPU is required" in result.stderr and "--smoke" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_check_smoke_runs_every_stage_and_summarises(tmp_path):
+    """The one GPU command end to end in the interpreter: every stage passes and
+    writes its file; the summary names the stages, their status and the versions."""
+    result = run([*GPU_CHECK, "--smoke", "--out-dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert summary["smoke"] is True and "not measurements" in summary["note"]
+    assert {"date", "torch", "triton", "device"} <= set(summary["environment"])
+    assert list(summary["stages"]) == ["tests", "attention", "sampling", "engine"]
+    assert summary["passed"] is True
+    for name, stage in summary["stages"].items():
+        assert stage["passed"] and stage["returncode"] == 0, name
+        assert is_finite_number(stage["seconds"]), name
+    assert "passed" in summary["stages"]["tests"]["output_tail"]
+    engine = json.loads((tmp_path / "engine-gpu.json").read_text())
+    assert [row["backend"] for row in engine["backends"]] == ["spec", "torch", "triton"]
+    assert engine["same_tokens"] is True
+    assert all(is_finite_number(row["ttft_ms"]) for row in engine["backends"])
+    for name in ("attention", "sampling"):
+        assert json.loads((tmp_path / f"{name}-gpu.json").read_text())["smoke"] is True
+
+
+def test_gpu_check_records_failing_and_hanging_stages_and_exits_1(tmp_path, monkeypatch):
+    """A stage that fails or outlasts its limit is recorded with its output; the
+    stages after it still run, and the command exits 1."""
+    from tests.benchmarks import gpu_check
+
+    python = sys.executable
+    plan = [
+        ("fails", [python, "-c", "import sys; print('boom'); sys.exit(3)"], {}, 60),
+        (
+            "hangs",
+            [python, "-c", "import time; print('waiting', flush=True); time.sleep(30)"],
+            {},
+            2,
+        ),
+        ("passes", [python, "-c", "print('fine')"], {"X": "1"}, 60),
+    ]
+    monkeypatch.setattr(gpu_check, "stages", lambda out_dir, smoke: plan)
+    assert gpu_check.main(["--smoke", "--out-dir", str(tmp_path)]) == 1
+    stages = json.loads((tmp_path / "gpu-check.json").read_text())["stages"]
+    assert stages["fails"]["returncode"] == 3 and "boom" in stages["fails"]["output_tail"]
+    assert stages["hangs"]["returncode"] is None
+    assert "stopped after 2 s" in stages["hangs"]["output_tail"]
+    assert stages["passes"]["passed"] and stages["passes"]["environment"] == {"X": "1"}
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--smoke", "--only", "nonsense", "--out-dir", str(tmp_path)])
