@@ -195,14 +195,25 @@ def start_run(command: str, smoke: bool) -> Run:
     return Run(smoke, device, timer, kernels, copy)
 
 
-def report_header(benchmark: str, make_target: str, run: Run) -> dict:
-    """The fields every results file starts with: what, where, how, and the copy bandwidth."""
+def device_report_header(
+    benchmark: str, command: str, smoke_note: str | None, device: torch.device
+) -> dict:
+    """How a results file of a run on `device` starts: the benchmark, its command,
+    whether it was a smoke run (and the note saying so), the device and software."""
     return {
         "benchmark": benchmark,
-        "command": f"make {make_target}",
-        "smoke": run.smoke,
-        **({"note": SMOKE_NOTE} if run.smoke else {}),
-        "environment": describe_environment(run.device),
+        "command": command,
+        "smoke": smoke_note is not None,
+        **({"note": smoke_note} if smoke_note is not None else {}),
+        "environment": describe_environment(device),
+    }
+
+
+def report_header(benchmark: str, make_target: str, run: Run) -> dict:
+    """The fields every kernel results file starts with, and the copy bandwidth."""
+    note = SMOKE_NOTE if run.smoke else None
+    return {
+        **device_report_header(benchmark, f"make {make_target}", note, run.device),
         "statistic": "one call" if run.smoke else "median (triton.testing.do_bench, L2 flushed)",
         "copy_bandwidth": run.copy_bandwidth,
     }

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from tests.benchmarks.gpu import describe_environment, require_cuda, write_json
+from tests.benchmarks.gpu import device_report_header, require_cuda, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = "python -m tests.benchmarks.gpu_check"
@@ -161,12 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not results[name]["passed"]:
             print(results[name]["output_tail"][-1500:], file=sys.stderr, flush=True)
     device = torch.device("cpu" if args.smoke else "cuda")
+    note = SMOKE_NOTE if args.smoke else None
     summary = {
-        "benchmark": "gpu-check",
-        "command": " ".join([COMMAND, *argv]),
-        "smoke": args.smoke,
-        **({"note": SMOKE_NOTE} if args.smoke else {}),
-        "environment": describe_environment(device),
+        **device_report_header("gpu-check", " ".join([COMMAND, *argv]), note, device),
         "stages": results,
         "passed": all(stage["passed"] for stage in results.values()),
     }

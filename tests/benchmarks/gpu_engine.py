@@ -31,7 +31,7 @@ if not torch.cuda.is_available():  # before the kernels are defined (smoke only)
 
 from decodespec.reference.engine import Engine
 from decodespec.spec.sampling import SamplingParams
-from tests.benchmarks.gpu import describe_environment, require_cuda, write_json
+from tests.benchmarks.gpu import device_report_header, require_cuda, write_json
 from tests.benchmarks.speculative import PARAGRAPH, load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,12 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec_tokens = rows[0]["token_ids"]
     for row in rows:
         row["same_tokens_as_spec"] = row["token_ids"] == spec_tokens
+    note = SMOKE_NOTE if args.smoke else None
     report = {
-        "benchmark": "engine-gpu",
-        "command": " ".join([COMMAND, *argv]),
-        "smoke": args.smoke,
-        **({"note": SMOKE_NOTE} if args.smoke else {}),
-        "environment": describe_environment(device),
+        **device_report_header("engine-gpu", " ".join([COMMAND, *argv]), note, device),
         "model": model,
         "prompt_tokens": len(ids),
         "sampling": f"greedy, ignore_eos, {max_tokens} new tokens, raw prompt",

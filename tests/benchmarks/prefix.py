@@ -49,6 +49,7 @@ from decodespec.spec.sampling import SamplingParams
 from tests.benchmarks.gpu import print_targets, write_json
 from tests.benchmarks.speculative import PARAGRAPH, load
 from tests.benchmarks.test_cpu_engine import cpu_report_header
+from tests.engine.test_prefix_cache import one_after_another
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "results" / "prefix-cpu.json"
@@ -108,13 +109,7 @@ def answer_all(
         cache_tokens=8192,
         prefix_caching=prefix_caching,
     )
-    outputs = []
-    for prompt in prompts:
-        request_id = engine.add_request(prompt, params)
-        while engine.has_unfinished():
-            engine.step()
-        outputs.append(engine.release(request_id))
-    return outputs
+    return one_after_another(engine, prompts, params)
 
 
 def summarize(rounds: list[list[RequestOutput]]) -> dict:
