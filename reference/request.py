@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from decodespec.spec.generate import TokenLogprobs
@@ -75,6 +76,42 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Timings:
+    """A request's speed, from its arrival and the moments its tokens were emitted.
+
+    - `ttft_s`: time to first token, t_first - arrival (None before any token);
+    - `prompt_tokens_per_s`: prompt tokens / ttft_s (None without a token, or if
+      ttft_s is 0);
+    - `tokens_per_s`: the decode speed, tokens after the first over the time they
+      took, (n - 1) / (t_last - t_first); None with fewer than two tokens, or if
+      they all came at once (one pass of speculative decoding);
+    - `inter_token_latencies_s`: the n - 1 gaps between consecutive tokens.
+
+    Example:
+        >>> t = Timings.of(arrival=10.0, token_times=[10.5, 10.75, 11.5], prompt_tokens=4)
+        >>> t.ttft_s, t.prompt_tokens_per_s, t.tokens_per_s, t.inter_token_latencies_s
+        (0.5, 8.0, 2.0, [0.25, 0.75])
+    """
+
+    ttft_s: float | None
+    prompt_tokens_per_s: float | None
+    tokens_per_s: float | None
+    inter_token_latencies_s: list[float]
+
+    @classmethod
+    def of(cls, arrival: float, token_times: Sequence[float], prompt_tokens: int) -> Timings:
+        times = list(token_times)
+        ttft = times[0] - arrival if times else None
+        decode_s = times[-1] - times[0] if times else 0.0
+        return cls(
+            ttft_s=ttft,
+            prompt_tokens_per_s=prompt_tokens / ttft if ttft else None,
+            tokens_per_s=(len(times) - 1) / decode_s if decode_s > 0 else None,
+            inter_token_latencies_s=[b - a for a, b in itertools.pairwise(times)],
+        )
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """A finished (or running) request, summarised (the CLI's `--json` object)."""
 
@@ -98,15 +135,14 @@ class RequestOutput:
     acceptance_rate: float | None = None
     tokens_per_target_pass: float | None = None
     preemptions: int = 0
-    # Prompt tokens whose keys and values came from the prefix cache (OpenAI's
+    # Prompt tokens whose keys and values came from the prefix cache at the first
+    # admission, not a readmission after preemption (OpenAI's
     # `usage.prompt_tokens_details.cached_tokens`).
     cached_tokens: int = 0
 
     @classmethod
     def of(cls, r: Request) -> RequestOutput:
-        times = r.token_times
-        ttft = times[0] - r.arrival if times else None
-        gaps = [b - a for a, b in itertools.pairwise(times)]
+        timing = Timings.of(r.arrival, r.token_times, len(r.prompt_ids))
         return cls(
             request_id=r.id,
             text=r.stop.text,
@@ -115,11 +151,10 @@ class RequestOutput:
             seed=r.params.seed,
             prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
-            ttft_s=ttft,
-            prompt_tokens_per_s=len(r.prompt_ids) / ttft if ttft else None,
-            # Decode speed: tokens after the first, over the time they took.
-            tokens_per_s=len(gaps) / sum(gaps) if gaps and sum(gaps) > 0 else None,
-            inter_token_latencies_s=gaps,
+            ttft_s=timing.ttft_s,
+            prompt_tokens_per_s=timing.prompt_tokens_per_s,
+            tokens_per_s=timing.tokens_per_s,
+            inter_token_latencies_s=timing.inter_token_latencies_s,
             logprobs=r.logprobs if r.params.top_logprobs is not None else None,
             error=r.error,
             draft_tokens=r.drafted,

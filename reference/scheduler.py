@@ -106,6 +106,8 @@ class Scheduler:
             return False
         request.num_cached = len(hits) * size
         request.prefix_keys = keys
+        # What the cache served the client's prompt: the first admission's figure. A
+        # readmission after preemption maps blocks the request cached itself; not counted.
         if request.cached_prompt_tokens is None:
             request.cached_prompt_tokens = min(request.num_cached, len(request.prompt_ids))
         return True
