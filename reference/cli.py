@@ -298,13 +298,23 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# uvicorn's default backlog: the connections the kernel queues before the first accept
+BACKLOG = 2048
+
+
 def _listen(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, or a ValueError saying why not."""
+    """A socket listening on host:port, or a ValueError saying why not.
+
+    It listens from here on: a client that connects once the URL is printed is
+    queued by the kernel until uvicorn accepts it, never refused, however long
+    the model takes to load and uvicorn to start.
+    """
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         listening = socket.socket(family, kind, proto)
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listening.bind(address)
+        listening.listen(BACKLOG)
     except OSError as error:
         raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     return listening

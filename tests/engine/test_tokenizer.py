@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
@@ -405,9 +404,7 @@ def test_chat_template_errors(tok, saved_dirs, tmp_path):
 
 
 def test_from_file_agrees_with_gguf(tok, saved_dirs):
-    started = time.perf_counter()
     loaded = Tokenizer.from_file(saved_dirs.fixed / "tokenizer.json")
-    assert time.perf_counter() - started < 5
     assert loaded.vocab_size == tok.vocab_size
     assert loaded.bos_token_id == tok.bos_token_id
     assert loaded.eos_token_ids == tok.eos_token_ids == (2,)

@@ -53,7 +53,7 @@ def test_chat_whole_and_streamed_give_the_same_answer(client, live_server):
     cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
     assert cached == (whole.usage.prompt_tokens - 1) // 16 * 16 > 0
     timing = whole.model_extra["timing"]
-    assert 0 < timing["ttft_s"] < 60 and len(timing["inter_token_latencies_s"]) == (
+    assert timing["ttft_s"] > 0 and len(timing["inter_token_latencies_s"]) == (
         whole.usage.completion_tokens - 1
     )
     live_server.wait_idle()

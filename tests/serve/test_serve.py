@@ -9,6 +9,7 @@ answer is ready aborts the request: the engine frees its blocks at once.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -69,19 +70,67 @@ def test_the_command_serves_and_stops_on_ctrl_c():
     assert "Traceback" not in rest, rest
 
 
+# Keeps one core busy (what else runs on a shared machine); bounded by itself, and
+# killed by the test when it is done.
+SPIN = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass"
+
+
+def connect_when_printed(process: subprocess.Popen) -> str:
+    """Connect to the URL the instant the line appears; what happened, in words."""
+    _, url = wait_for_url(process)
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=60).close()
+    except ConnectionRefusedError:
+        return f"{url} refused a connection right after it was printed"
+    with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+        if client.get("/health").json() != {"status": "ok"}:
+            return f"{url}/health did not answer ok"
+    return "ok"
+
+
+def test_the_printed_url_accepts_connections_at_once_on_a_busy_machine():
+    """`serving ... on URL` means listening: a client that connects the instant the line
+    appears is never refused, even while every core is busy (the socket listens before
+    the line is printed; uvicorn accepts the queued connection once it runs). Three
+    servers start at once, each watched by its own thread, beside a spinner per core."""
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(os.cpu_count() or 2)]
+    servers = [start("--port", "0") for _ in range(3)]
+    outcomes: list[str] = ["not started"] * len(servers)
+
+    def watch(i: int) -> None:
+        try:
+            outcomes[i] = connect_when_printed(servers[i])
+        except Exception as error:  # reported below, with the other servers'
+            outcomes[i] = repr(error)
+
+    try:
+        watchers = [threading.Thread(target=watch, args=(i,)) for i in range(len(servers))]
+        for watcher in watchers:
+            watcher.start()
+        for watcher in watchers:
+            watcher.join(300)
+        assert outcomes == ["ok"] * len(servers), outcomes
+        for process in servers:
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=60) == INTERRUPTED_STATUS
+    finally:
+        for process in servers + spinners:
+            process.kill()
+            process.wait()
+
+
 def test_a_taken_port_is_a_clear_error_before_the_model_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        start_s = time.perf_counter()
         result = subprocess.run(
             [*COMMAND, "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=120
         )
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "loading" not in result.stderr
-    assert time.perf_counter() - start_s < 30
 
 
 def test_bad_serve_arguments_are_refused():
