@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import INDEX_DTYPES, check_caches
+from .checks import INDEX_DTYPES, check_caches, check_tensor
 
 
 @triton.jit
@@ -49,6 +49,8 @@ def _append_kv_kernel(
 
 def _check(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
     """APPEND-VALID-1: every check before any write, each error naming the argument."""
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slots)):
+        check_tensor(name, t)
     num_blocks, block_size, num_kv_heads, head_dim = check_caches(k_cache, v_cache)
     for name, t in (("key", key), ("value", value), ("v_cache", v_cache), ("slot_mapping", slots)):
         if t.device != k_cache.device:
@@ -112,6 +114,7 @@ def append_kv(
 
     Raises:
         ValueError: a wrong shape, dtype, device or slot; nothing is written.
+        TypeError: an argument that is not a tensor; nothing is written.
 
     Example:
         >>> k_cache = torch.zeros(2, 2, 1, 1); v_cache = torch.zeros(2, 2, 1, 1)
@@ -122,6 +125,19 @@ def append_kv(
     """
     if validate:
         _check(key, value, k_cache, v_cache, slot_mapping)
+    _launch(_append_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
+
+
+def _launch(
+    kernel: triton.JITFunction,
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+) -> None:
+    """Launch `kernel` (the append kernel's signature) on checked arguments, one program
+    a token."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -134,7 +150,7 @@ def append_kv(
         value = value.contiguous()
     _, _, num_kv_heads, head_dim = k_cache.shape
     row_size = num_kv_heads * head_dim
-    _append_kv_kernel[(num_tokens,)](
+    kernel[(num_tokens,)](
         key,
         value,
         k_cache,

@@ -3,7 +3,9 @@
 Kernels never check anything (`tl.device_assert` is off in normal builds and
 never fires in the interpreter), so a wrong shape, dtype, device or index
 must be caught here, before a launch turns it into an out-of-bounds access.
-Every error is a ValueError whose message names the argument.
+Every error is a ValueError whose message names the argument; an argument
+that is not a tensor at all raises `ArgumentTypeError`, a TypeError that is
+also a ValueError (the spec's SAMPLE-VALID-3, APPEND-VALID-1).
 """
 
 from __future__ import annotations
@@ -21,6 +23,21 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument that must be a tensor and is not (the spec's class of the same name).
+
+    A `TypeError`, and a `ValueError` too, so that callers catching the
+    ValueErrors of these checks catch this one as well.
+    """
+
+
+def check_tensor(name: str, value: object) -> Tensor:
+    """`value` if it is a `torch.Tensor`; else `ArgumentTypeError` naming `name`."""
+    if not isinstance(value, Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
 def check_kernel_device(name: str, t: Tensor) -> None:
     """Raise unless `t` lives where the kernels can run: a GPU, or the CPU in the interpreter."""
     if t.device.type == "cpu" and not INTERPRET:
@@ -32,8 +49,7 @@ def check_kernel_device(name: str, t: Tensor) -> None:
 
 def check_index_tensor(name: str, t: Tensor, shape: list[int], device: torch.device) -> None:
     """Raise unless `t` is an int32/int64 tensor of `shape` on `device`."""
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    check_tensor(name, t)
     if list(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
     if t.dtype not in INDEX_DTYPES:
@@ -48,9 +64,8 @@ def check_caches(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int]:
     Returns:
         `(num_blocks, block_size, num_kv_heads, head_dim)`.
     """
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    check_tensor("k_cache", k_cache)
+    check_tensor("v_cache", v_cache)
     if k_cache.dim() != 4:
         raise ValueError(
             "k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], "

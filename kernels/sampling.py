@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import INTERPRET, check_kernel_device
+from .checks import INTERPRET, check_kernel_device, check_tensor
 
 # The int32 key of −inf: every finite float32 has a larger key (see _ordered_key).
 KEY_NEG_INF = tl.constexpr(-2139095041)
@@ -498,13 +498,20 @@ def _check_range(name: str, t: Tensor, low: float, high: float, low_open: bool, 
 
 
 def _check_logits(logits: Tensor) -> None:
-    if not isinstance(logits, Tensor) or logits.dim() != 2:
-        shape = list(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be [batch, vocab], got shape {shape}")
+    """A `[batch, vocab]` float tensor with a vocabulary (SAMPLE-VALID-3): a row of no
+    column would launch a loop of step 0."""
+    check_tensor("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
     if logits.dtype not in LOGITS_DTYPES:
         raise ValueError(
             f"logits must be float16, bfloat16 or float32 for the Triton kernels, got "
             f"{logits.dtype}"
+        )
+    if logits.shape[1] == 0:
+        raise ValueError(
+            "logits must have at least one column (vocabulary size 0), "
+            f"got shape {list(logits.shape)}"
         )
     check_kernel_device("logits", logits)
 
@@ -514,10 +521,9 @@ def _check_sampling_args(logits: Tensor, args: dict[str, Tensor | None]) -> None
     _check_logits(logits)
     batch, vocab = logits.shape
     for name, t in args.items():
-        if t is None:
+        if t is None and name != "temperature":  # the one required tensor
             continue
-        if not isinstance(t, Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        check_tensor(name, t)
         shape = [batch, vocab] if name in _PER_TOKEN else [batch]
         if list(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
@@ -630,6 +636,7 @@ def greedy(logits: Tensor) -> Tensor:
 def _filter_mask(logits: Tensor, name: str, values: Tensor) -> Tensor:
     """The tokens one filter keeps of the logits as given (no temperature, no processors)."""
     _check_logits(logits)
+    check_tensor(name, values)
     _, filtered = _launch(logits, {name: values}, choose=False, filters_only=True)
     return filtered > float("-inf")
 
@@ -701,7 +708,8 @@ def uniform(
         tensor([[0.3990, 0.9722]])
     """
     for name, t in (("seed", seed), ("step", step)):
-        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        check_tensor(name, t)
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be a [batch] int32/int64 tensor, got {t!r}")
         check_kernel_device(name, t)
     if step.shape != seed.shape or step.device != seed.device:
@@ -852,9 +860,11 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int = 0) -> Log
         (tensor([3]), tensor([[1, 2]]))
     """
     _check_logits(logits)
-    if not isinstance(token_ids, Tensor) or list(token_ids.shape) != [logits.shape[0]]:
-        shape = list(token_ids.shape) if isinstance(token_ids, Tensor) else type(token_ids)
-        raise ValueError(f"token_ids must have shape [{logits.shape[0]}], got {shape}")
+    check_tensor("token_ids", token_ids)
+    if list(token_ids.shape) != [logits.shape[0]]:
+        raise ValueError(
+            f"token_ids must have shape [{logits.shape[0]}], got {list(token_ids.shape)}"
+        )
     if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
         raise ValueError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
     if token_ids.device != logits.device:

@@ -33,7 +33,11 @@ heads and head_dim and a floating-point dtype; the caches as in
 ATTN-VALID-1 (equal 4-D shapes, one floating-point dtype); `slot_mapping`
 `[num_tokens]` int32 or int64; every tensor on the caches' device; every
 slot in `[−1, num_blocks · block_size)`; no slot other than −1 named twice
-(the result would depend on the order of the writes).
+(the result would depend on the order of the writes). An argument that is not
+a `torch.Tensor` at all (a Python number, a list) raises `TypeError` naming it
+instead, for example "slot_mapping must be a torch.Tensor, got list" (the
+spec's `ArgumentTypeError`, also a `ValueError`, LOGITS-VALID-1), and nothing
+is written either.
 """
 
 from __future__ import annotations
@@ -42,12 +46,21 @@ import torch
 from torch import Tensor
 
 from .attention import check_cache_pair, check_index_tensor
+from .logits import check_tensor
 
 
 def _check_append_args(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
     """APPEND-VALID-1."""
+    for name, t in (
+        ("key", key),
+        ("value", value),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("slot_mapping", slot_mapping),
+    ):
+        check_tensor(name, t)
     num_blocks, block_size, num_kv_heads, head_dim = check_cache_pair(k_cache, v_cache)
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or list(t.shape[1:]) != [num_kv_heads, head_dim]:
@@ -112,6 +125,8 @@ def append_kv(
     Raises:
         ValueError: an argument has the wrong shape, dtype, device or value
             (APPEND-VALID-1); the message names it. Nothing is written.
+        TypeError: an argument is not a tensor (APPEND-VALID-1); the message
+            names it. Nothing is written.
 
     Example:
         Two blocks of two slots; token 0 goes to slot 3 (block 1, offset 1),

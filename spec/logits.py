@@ -34,6 +34,15 @@ token present in the output so far: `z_i ← z_i − α_p · [c_i > 0]`.
 [LOGITS-ORDER-1] The processors run in this order: logit bias, min_tokens
 masking, repetition, frequency, presence. Each one sees the previous one's
 output (the repetition penalty divides the biased logit).
+
+[LOGITS-VALID-1] Every tensor argument of `compute_logits` and of the
+processors must be a `torch.Tensor`: anything else (a Python number, a list,
+None) raises `TypeError` naming the argument and the type it got, for example
+"logit_bias must be a torch.Tensor, got float". The spec raises
+`ArgumentTypeError`, a `TypeError` that is also a `ValueError` (as
+PARAM-TYPE-1's `ParameterTypeError`), so code that reports invalid arguments
+by catching `ValueError` reports it too. A wrong shape raises `ValueError`
+naming the argument.
 """
 
 from __future__ import annotations
@@ -42,6 +51,27 @@ import torch
 from torch import Tensor
 
 from .softmax import compute_dtype
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument that must be a tensor and is not (LOGITS-VALID-1, SAMPLE-VALID-3).
+
+    A `TypeError`, and a `ValueError` too, like `ParameterTypeError`.
+    """
+
+
+def check_tensor(name: str, value: object) -> Tensor:
+    """`value` if it is a `torch.Tensor`; else `ArgumentTypeError` naming `name`.
+
+    Example:
+        >>> check_tensor("logit_bias", 1.5)
+        Traceback (most recent call last):
+        ...
+        decodespec.spec.logits.ArgumentTypeError: logit_bias must be a torch.Tensor, got float
+    """
+    if not isinstance(value, Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
 
 
 def compute_logits(hidden_states: Tensor, output_weight: Tensor) -> Tensor:
@@ -59,6 +89,8 @@ def compute_logits(hidden_states: Tensor, output_weight: Tensor) -> Tensor:
         >>> compute_logits(torch.ones(1, 2), torch.tensor([[1.0, 2.0], [0.5, 0.5]]))
         tensor([[3., 1.]])
     """
+    check_tensor("hidden_states", hidden_states)
+    check_tensor("output_weight", output_weight)
     if hidden_states.dim() != 2 or output_weight.dim() != 2:
         raise ValueError(
             "hidden_states must be [num_rows, hidden] and output_weight [vocab, hidden], "
@@ -76,9 +108,18 @@ def compute_logits(hidden_states: Tensor, output_weight: Tensor) -> Tensor:
 
 
 def _rows(name: str, tensor: Tensor, batch: int, vocab: int | None = None) -> None:
+    check_tensor(name, tensor)
     shape = [batch] if vocab is None else [batch, vocab]
     if list(tensor.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {list(tensor.shape)}")
+
+
+def _check_logits(logits: Tensor) -> tuple[int, int]:
+    """LOGITS-VALID-1 for the processors' logits: a `[batch, vocab]` tensor."""
+    check_tensor("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
+    return logits.shape[0], logits.shape[1]
 
 
 def apply_logit_bias(logits: Tensor, logit_bias: Tensor) -> Tensor:
@@ -92,6 +133,7 @@ def apply_logit_bias(logits: Tensor, logit_bias: Tensor) -> Tensor:
         >>> apply_logit_bias(torch.zeros(1, 2), torch.tensor([[0.0, -100.0]]))
         tensor([[   0., -100.]])
     """
+    _check_logits(logits)
     _rows("logit_bias", logit_bias, *logits.shape)
     return logits + logit_bias.to(logits.dtype)
 
@@ -112,7 +154,7 @@ def apply_min_tokens(
         ...                  torch.tensor([1]), torch.tensor([0]))
         tensor([[0., -inf]])
     """
-    batch, vocab = logits.shape
+    batch, vocab = _check_logits(logits)
     _rows("stop_token_mask", stop_token_mask, batch, vocab)
     _rows("min_tokens", min_tokens, batch)
     _rows("step", step, batch)
@@ -145,7 +187,7 @@ def apply_penalties(
         ...                 torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([1.0]))
         tensor([[ 1.0000, -4.0000, -1.5000]])
     """
-    batch, vocab = logits.shape
+    batch, vocab = _check_logits(logits)
     _rows("prompt_mask", prompt_mask, batch, vocab)
     _rows("output_counts", output_counts, batch, vocab)
     for name, value in (
@@ -183,6 +225,7 @@ def apply_logit_processors(
     penalties need `prompt_mask`, `output_counts` and all three penalty
     tensors. Returns float32 `[batch, vocab]` (float64 for float64 input).
     """
+    _check_logits(logits)
     z = logits.to(compute_dtype(logits.dtype))
     if logit_bias is not None:
         z = apply_logit_bias(z, logit_bias)

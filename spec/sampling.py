@@ -26,6 +26,18 @@ valid rows as sampled, −1 for the invalid ones, so an engine can fail those
 requests and keep the others. A kernel cannot raise: it writes −1 for the row
 and its wrapper raises the same error.
 
+[SAMPLE-VALID-3] The operations of this stage take `logits` as a
+`torch.Tensor` of shape `[batch, vocab]` with a floating-point dtype and at
+least one column, and every other argument documented as a tensor (the
+per-row parameters, `token_ids`, `seed`, `step`) as a `torch.Tensor`; an
+optional one may be None. Anything else in a tensor's place (a Python number,
+a list, None for a required tensor) raises `TypeError` naming the argument
+and the type it got, for example "logits must be a torch.Tensor, got float"
+(the spec raises `ArgumentTypeError`, LOGITS-VALID-1). Logits with no column
+raise `ValueError` naming logits, for example "logits must have at least one
+column (vocabulary size 0)": with nothing to choose from, the call is wrong,
+not one of its rows (SAMPLE-VALID-1), whatever the batch size.
+
 Choice
 ------
 [SAMPLE-GREEDY-1] A row with temperature 0 is greedy: its token is the
@@ -168,7 +180,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from .logits import apply_logit_processors
+from .logits import apply_logit_processors, check_tensor
 from .softmax import apply_temperature, compute_dtype, log_softmax, softmax
 
 MAX_TOP_LOGPROBS = 20
@@ -689,6 +701,27 @@ def invalid_rows(logits: Tensor) -> Tensor:
 # Filters
 
 
+def check_logits(logits: Tensor) -> tuple[int, int]:
+    """`(batch, vocab)` of valid logits (SAMPLE-VALID-3), or the error naming `logits`.
+
+    Example:
+        >>> check_logits(torch.zeros(2, 0))
+        Traceback (most recent call last):
+        ...
+        ValueError: logits must have at least one column (vocabulary size 0), got shape [2, 0]
+    """
+    check_tensor("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
+    compute_dtype(logits.dtype)  # raises for non-float dtypes
+    if logits.shape[1] == 0:
+        raise ValueError(
+            "logits must have at least one column (vocabulary size 0), "
+            f"got shape {list(logits.shape)}"
+        )
+    return logits.shape[0], logits.shape[1]
+
+
 def _first_argmax(values: Tensor) -> Tensor:
     """Smallest index of each row's maximum (ties to the smallest index)."""
     is_max = values == values.amax(dim=-1, keepdim=True)
@@ -703,6 +736,7 @@ def greedy(logits: Tensor) -> Tensor:
         >>> greedy(torch.tensor([[1.0, 3.0, 3.0, 2.0]]))
         tensor([1])
     """
+    check_logits(logits)
     return _first_argmax(logits)
 
 
@@ -736,6 +770,8 @@ def top_k_mask(logits: Tensor, top_k: Tensor) -> Tensor:
         >>> top_k_mask(torch.tensor([[3.0, 1.0, 2.0, 2.0]]), torch.tensor([2]))
         tensor([[ True, False,  True,  True]])
     """
+    check_logits(logits)
+    check_tensor("top_k", top_k)
     z = logits.to(compute_dtype(logits.dtype))
     k = top_k.to(device=z.device, dtype=torch.int64)[:, None]
     return ((k == 0) | (_count_greater(z) < k)) & (z > -math.inf)
@@ -753,6 +789,8 @@ def top_p_mask(logits: Tensor, top_p: Tensor) -> Tensor:
         >>> top_p_mask(torch.tensor([[2.0, 1.0, 1.0, 0.0]]).log(), torch.tensor([0.5]))
         tensor([[ True, False, False, False]])
     """
+    check_logits(logits)
+    check_tensor("top_p", top_p)
     z = logits.to(compute_dtype(logits.dtype))
     p = top_p.to(device=z.device, dtype=z.dtype)[:, None]
     probs = softmax(z)
@@ -770,6 +808,8 @@ def min_p_mask(logits: Tensor, min_p: Tensor) -> Tensor:
         >>> min_p_mask(torch.tensor([[4.0, 2.0, 1.0]]).log(), torch.tensor([0.5]))
         tensor([[ True,  True, False]])
     """
+    check_logits(logits)
+    check_tensor("min_p", min_p)
     z = logits.to(compute_dtype(logits.dtype))
     m = min_p.to(device=z.device, dtype=z.dtype)[:, None]
     threshold = z.amax(dim=-1, keepdim=True) + m.log()
@@ -842,6 +882,8 @@ def uniform(
         stream: which independent stream (0: token choice).
         dtype: float32 or float64 (the values are the same: they are exact).
     """
+    check_tensor("seed", seed)
+    check_tensor("step", step)
     device = seed.device
     seed = seed.to(torch.int64)[:, None]
     step = step.to(device=device, dtype=torch.int64)[:, None]
@@ -865,13 +907,11 @@ def gumbel_noise(
 
 
 def _check_sampling_tensors(logits: Tensor, tensors: Mapping[str, Tensor | None]) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
-    compute_dtype(logits.dtype)  # raises for non-float dtypes
-    batch, vocab = logits.shape
+    batch, vocab = check_logits(logits)
     for name, t in tensors.items():
-        if t is None:
+        if t is None and name not in _REQUIRED:
             continue
+        check_tensor(name, t)  # SAMPLE-VALID-3
         shape = [batch, vocab] if name in _PER_TOKEN else [batch]
         if list(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
@@ -885,6 +925,7 @@ def _check_sampling_tensors(logits: Tensor, tensors: Mapping[str, Tensor | None]
 
 
 _PER_TOKEN = {"logit_bias", "stop_token_mask", "prompt_mask", "output_counts"}
+_REQUIRED = {"temperature"}
 _INTEGER = {"top_k", "seed", "step", "min_tokens", "output_counts"}
 _RANGES = {  # name: (low, high, low_open, high_open); PARAM-RANGE-1
     "temperature": (0, math.inf, False, True),
@@ -974,6 +1015,8 @@ def process_logits(
 
     Raises:
         InvalidLogitsError: some rows are invalid (`.tokens` is all −1).
+        ValueError: as `sample`; TypeError: an argument that must be a
+            tensor is not (SAMPLE-VALID-3).
     """
     args = dict(locals())
     del args["logits"]
@@ -1032,7 +1075,9 @@ def sample(
     Raises:
         InvalidLogitsError: some rows are invalid; `.rows` names them and
             `.tokens` holds the other rows' tokens.
-        ValueError: an argument has the wrong shape, dtype, device or range.
+        ValueError: an argument has the wrong shape, dtype, device or range,
+            or the logits have no column (SAMPLE-VALID-3).
+        TypeError: an argument that must be a tensor is not (SAMPLE-VALID-3).
 
     Example:
         >>> logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
@@ -1088,6 +1133,8 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int = 0) -> Log
         >>> lp.ranks, lp.top_token_ids
         (tensor([3]), tensor([[1, 2]]))
     """
+    check_logits(logits)
+    check_tensor("token_ids", token_ids)
     if logits.dim() != 2 or list(token_ids.shape) != [logits.shape[0]]:
         raise ValueError(
             f"logits must be [batch, vocab] and token_ids [batch], got "

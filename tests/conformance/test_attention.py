@@ -756,8 +756,10 @@ def test_decode_loop_appends_then_attends(impl, dtype):
     }
     num_blocks = 16
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(cache_shape, math.nan, dtype=dtype, device=DEVICE)
-    v_cache = torch.full(cache_shape, math.nan, dtype=dtype, device=DEVICE)
+    k_cache = with_guard_blocks(torch.full(cache_shape, math.nan, dtype=dtype, device=DEVICE), 1)
+    v_cache = with_guard_blocks(torch.full(cache_shape, math.nan, dtype=dtype, device=DEVICE), 2)
+    caches = {"k_cache": k_cache, "v_cache": v_cache}
+    guards = guard_bits(caches)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = {name: [free.pop() for _ in range(-(-n // block_size))] for name, n in total.items()}
     length = dict.fromkeys(total, 0)
@@ -782,6 +784,7 @@ def test_decode_loop_appends_then_attends(impl, dtype):
         key, value = torch.cat([key, padding[0]]), torch.cat([value, padding[1]])
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
         assert impl.op("append_kv")(key, value, k_cache, v_cache, slot_mapping) is None
+        assert_guards_untouched(caches, guards)
         width = max(len(t) for t in tables.values())
         table = torch.tensor(
             [tables[name] + [-1] * (width - len(tables[name])) for name in names],
@@ -914,7 +917,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def poisoned_cache(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+def poison(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Random values with NaN and ±inf sprinkled in: what earlier steps left behind."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g)
@@ -923,6 +926,57 @@ def poisoned_cache(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tor
     x[which == 1] = math.inf
     x[which == 2] = -math.inf
     return x.to(dtype).to(DEVICE)
+
+
+def with_guard_blocks(cache: torch.Tensor, seed: int) -> torch.Tensor:
+    """`cache`'s contents in the middle of a larger buffer, a block of poison before and after.
+
+    The result is a contiguous slice of the buffer, as a cache must be. A write
+    outside the cache (slot −1 taken as the row just before it, a slot past its
+    end) then lands in a guard block, memory the test owns, where
+    `assert_guards_untouched` reports it as a failed assertion, instead of in
+    memory nobody owns, where it corrupts the Triton interpreter's heap.
+    """
+    guards = poison((2, *cache.shape[1:]), cache.dtype, seed)
+    return torch.cat([guards[:1], cache, guards[1:]])[1:-1]
+
+
+def poisoned_cache(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A poisoned cache with guard blocks around it (`with_guard_blocks`)."""
+    return with_guard_blocks(poison(shape, dtype, seed), seed + 10**6)
+
+
+def guard_blocks(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks just before and just after a cache from `with_guard_blocks`, in its buffer."""
+    block, shape, strides = cache.stride(0), cache.shape[1:], cache.stride()[1:]
+    start = cache.storage_offset()
+    return (
+        cache.as_strided(shape, strides, start - block),
+        cache.as_strided(shape, strides, start + cache.shape[0] * block),
+    )
+
+
+CACHES = ("k_cache", "v_cache")
+
+
+def guard_bits(args: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The bits of the guard blocks of the caches in `args`, before a call."""
+    return {name: tuple(bits(b).clone() for b in guard_blocks(args[name])) for name in CACHES}
+
+
+def assert_guards_untouched(args: dict, before: dict) -> None:
+    """Nothing was written just outside either cache (the guard blocks kept their bits)."""
+    for name in CACHES:
+        now = [bits(b) for b in guard_blocks(args[name])]
+        changed = [
+            where
+            for where, old, new in zip(("before", "after"), before[name], now, strict=True)
+            if not torch.equal(old, new)
+        ]
+        assert not changed, (
+            f"append_kv wrote outside the cache: the guard rows {' and '.join(changed)} "
+            f"{name} changed"
+        )
 
 
 @st.composite
@@ -964,9 +1018,11 @@ def test_append_writes_exactly_the_named_slots(impl, dtype, data):
     require_dtype(impl, dtype)
     args = data.draw(append_cases(dtype))
     before = clone_args(args)
+    guards = guard_bits(args)
     expected = clone_args(args)
     APPEND.reference(**expected)  # the spec on a copy
     assert impl.op("append_kv")(**args) is None
+    assert_guards_untouched(args, guards)
     block_size = args["k_cache"].shape[1]
     slots = args["slot_mapping"].long()
     targets = torch.zeros(args["k_cache"].shape[:2], dtype=torch.bool, device=DEVICE)
@@ -989,9 +1045,11 @@ def test_append_works_in_place(impl):
     k_cache = poisoned_cache((3, 4, 2, 64), torch.float32, 0)
     v_cache = poisoned_cache((3, 4, 2, 64), torch.float32, 1)
     pointers = (k_cache.data_ptr(), v_cache.data_ptr())
+    guards = guard_bits({"k_cache": k_cache, "v_cache": v_cache})
     key = torch.randn(2, 2, 64, device=DEVICE)
     result = impl.op("append_kv")(key, -key, k_cache, v_cache, torch.tensor([6, 11], device=DEVICE))
     assert result is None
+    assert_guards_untouched({"k_cache": k_cache, "v_cache": v_cache}, guards)
     assert (k_cache.data_ptr(), v_cache.data_ptr()) == pointers
     assert torch.equal(k_cache[1, 2], key[0]) and torch.equal(k_cache[2, 3], key[1])
     assert torch.equal(v_cache[1, 2], -key[0]) and torch.equal(v_cache[2, 3], -key[1])
@@ -1004,9 +1062,11 @@ def test_append_of_padding_only_changes_nothing(impl, num_tokens):
     k_cache = poisoned_cache((2, 4, 1, 64), torch.float16, 2)
     v_cache = poisoned_cache((2, 4, 1, 64), torch.float16, 3)
     before = (k_cache.clone(), v_cache.clone())
+    guards = guard_bits({"k_cache": k_cache, "v_cache": v_cache})
     key = torch.randn(num_tokens, 1, 64, device=DEVICE)
     slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=DEVICE)
     impl.op("append_kv")(key, key, k_cache, v_cache, slots)
+    assert_guards_untouched({"k_cache": k_cache, "v_cache": v_cache}, guards)
     assert torch.equal(bits(k_cache), bits(before[0]))
     assert torch.equal(bits(v_cache), bits(before[1]))
 
@@ -1025,7 +1085,9 @@ def test_append_rounds_to_nearest_even(impl, dtype):
     key = key.to(DEVICE)
     k_cache = poisoned_cache((1, 2, 1, 64), dtype, 4)
     v_cache = poisoned_cache((1, 2, 1, 64), dtype, 5)
+    guards = guard_bits({"k_cache": k_cache, "v_cache": v_cache})
     impl.op("append_kv")(key, key, k_cache, v_cache, torch.tensor([1, 0], device=DEVICE))
+    assert_guards_untouched({"k_cache": k_cache, "v_cache": v_cache}, guards)
     assert torch.equal(bits(k_cache[0, 1]), bits(key[0].to(dtype)))
     assert torch.equal(bits(v_cache[0, 0]), bits(key[1].to(dtype)))
     assert k_cache[0, 1, 0, 1].item() == 1 + 2 * ulp
@@ -1080,7 +1142,9 @@ def test_append_rejects_invalid_arguments_and_writes_nothing(impl, mistake):
 def test_append_accepts_repeated_skips(impl):
     args = valid_append_args()
     args["slot_mapping"] = torch.tensor([-1, -1, 7], device=DEVICE)
+    guards = guard_bits(args)
     impl.op("append_kv")(**args)
+    assert_guards_untouched(args, guards)
     assert torch.equal(args["k_cache"][3, 1], args["key"][2])
 
 
@@ -1091,3 +1155,17 @@ def test_append_rejects_tensors_on_another_device(impl, name):
     args[name] = args[name].to(OTHER_DEVICE)
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         impl.op("append_kv")(**args)
+
+
+@pytest.mark.clause("APPEND-VALID-1")
+@pytest.mark.parametrize("kind", ["float", "list"])
+@pytest.mark.parametrize("name", ["key", "value", "k_cache", "v_cache", "slot_mapping"])
+def test_append_names_an_argument_that_is_not_a_tensor(impl, name, kind):
+    args = valid_append_args()
+    before = clone_args(args)
+    args[name] = 1.5 if kind == "float" else args[name].tolist()
+    with pytest.raises(TypeError, match=rf"\b{name}\b"):
+        impl.op("append_kv")(**args)
+    for cache in CACHES:
+        if cache != name:
+            assert torch.equal(bits(args[cache]), bits(before[cache])), f"{cache} was written"

@@ -24,10 +24,14 @@ from decodespec.spec import registry
 from decodespec.spec.logits import apply_logit_processors
 from tests import oracle
 from tests.conformance.test_sampling import (
+    SAMPLE_TENSORS,
     add_processor_args,
     assert_rows_banned_entirely,
+    call_with_logits_first,
+    not_a_tensor,
     processor_args,
     reference_kept,
+    valid_sample_args,
 )
 from tests.strategies import logits, sampling_args
 
@@ -99,3 +103,32 @@ def test_process_logits_with_processors_matches_reference(impl, x, data):
         assert_rows_banned_entirely(x, args, error)
         return
     assert_processed_conforms(x, args, out)
+
+
+# ---------------------------------------------------------------- arguments
+
+
+@pytest.mark.clause("SAMPLE-VALID-3")
+@pytest.mark.parametrize("kind", ["float", "list"])
+@pytest.mark.parametrize("name", [name for name in SAMPLE_TENSORS if name != "seed"])
+def test_process_logits_names_an_argument_that_is_not_a_tensor(impl, name, kind):
+    args = without_seed(valid_sample_args(impl, name))
+    args[name] = not_a_tensor(args[name], kind)
+    with pytest.raises(TypeError, match=rf"\b{name}\b"):
+        call_with_logits_first(impl.op("process_logits"), args)
+
+
+@pytest.mark.clause("SAMPLE-VALID-3")
+def test_process_logits_names_a_missing_temperature(impl):
+    args = without_seed(valid_sample_args(impl))
+    args["temperature"] = None
+    with pytest.raises(TypeError, match=r"\btemperature\b"):
+        call_with_logits_first(impl.op("process_logits"), args)
+
+
+@pytest.mark.clause("SAMPLE-VALID-3")
+@pytest.mark.parametrize("batch", [2, 0])
+def test_process_logits_rejects_an_empty_vocabulary(impl, batch):
+    args = without_seed(valid_sample_args(impl, batch=batch, vocab=0))
+    with pytest.raises(ValueError, match=r"\blogits\b"):
+        call_with_logits_first(impl.op("process_logits"), args)

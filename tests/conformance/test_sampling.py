@@ -595,6 +595,170 @@ def test_sample_rejects_bad_shapes_and_missing_seed(impl):
         )
 
 
+# ---------------------------------------------------------------- arguments
+
+# The processor arguments of `sample` and `process_logits`: each comes with the
+# others of its group, and the group with the optional feature it needs.
+PROCESSOR_GROUPS = (
+    (("logit_bias",), "logit_bias"),
+    (("stop_token_mask", "min_tokens"), "min_tokens"),
+    (
+        (
+            "prompt_mask",
+            "output_counts",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ),
+        "penalties",
+    ),
+)
+SAMPLE_TENSORS = (
+    "logits",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "step",
+    *(name for group, _ in PROCESSOR_GROUPS for name in group),
+)
+
+
+def valid_sample_args(impl, name: str | None = None, batch: int = 2, vocab: int = 5) -> dict:
+    """A valid call of `sample` (logits first): a greedy row and a filtered, seeded one,
+    with the processor group of `name`, if it has one (skipping if it is unsupported)."""
+    g = torch.Generator().manual_seed(batch * 1000 + vocab)
+
+    def rows(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values[:batch], dtype=dtype, device=DEVICE)
+
+    def per_token(t: torch.Tensor) -> torch.Tensor:
+        return t.to(DEVICE)
+
+    args = {
+        "logits": per_token(torch.randn(batch, vocab, generator=g)),
+        "temperature": rows([0.0, 0.8]),
+        "top_k": rows([0, 3], torch.int64),
+        "top_p": rows([1.0, 0.9]),
+        "min_p": rows([0.0, 0.05]),
+        "seed": rows([0, 12345], torch.int64),
+        "step": rows([0, 4], torch.int64),
+    }
+    processors = {
+        "logit_bias": per_token(torch.rand(batch, vocab, generator=g) * 4 - 2),
+        "stop_token_mask": per_token(torch.rand(batch, vocab, generator=g) < 0.3),
+        "min_tokens": rows([2, 0], torch.int64),
+        "prompt_mask": per_token(torch.rand(batch, vocab, generator=g) < 0.5),
+        "output_counts": per_token(torch.randint(0, 3, (batch, vocab), generator=g)),
+        "repetition_penalty": rows([1.3, 1.0]),
+        "frequency_penalty": rows([0.0, 0.0]),
+        "presence_penalty": rows([0.0, 0.0]),
+    }
+    for group, feature in PROCESSOR_GROUPS:
+        if name in group:
+            impl.require(feature)
+            args.update({k: processors[k] for k in group})
+    return args
+
+
+def not_a_tensor(t: torch.Tensor, kind: str) -> object:
+    """What a caller passes by mistake instead of `t`: a Python number, or its values as
+    a (nested) list."""
+    return 1.5 if kind == "float" else t.tolist()
+
+
+def call_with_logits_first(op, args: dict):
+    """Call `op` with `logits` positional (the first parameter of every operation that
+    takes it) and everything else by keyword."""
+    args = dict(args)
+    return op(args.pop("logits"), **args)
+
+
+@pytest.mark.clause("SAMPLE-VALID-3")
+@pytest.mark.parametrize("kind", ["float", "list"])
+@pytest.mark.parametrize("name", SAMPLE_TENSORS)
+def test_sample_names_an_argument_that_is_not_a_tensor(impl, name, kind):
+    args = valid_sample_args(impl, name)
+    args[name] = not_a_tensor(args[name], kind)
+    with pytest.raises(TypeError, match=rf"\b{name}\b"):
+        call_with_logits_first(impl.op("sample"), args)
+
+
+@pytest.mark.clause("SAMPLE-VALID-3")
+def test_sample_names_a_missing_temperature(impl):
+    args = valid_sample_args(impl)
+    args["temperature"] = None
+    with pytest.raises(TypeError, match=r"\btemperature\b"):
+        call_with_logits_first(impl.op("sample"), args)
+
+
+@pytest.mark.clause("SAMPLE-VALID-3")
+@pytest.mark.parametrize("batch", [2, 0])
+def test_sample_rejects_an_empty_vocabulary(impl, batch):
+    args = valid_sample_args(impl, batch=batch, vocab=0)
+    with pytest.raises(ValueError, match=r"\blogits\b"):
+        call_with_logits_first(impl.op("sample"), args)
+
+
+def valid_simple_args(op: str, batch: int = 2, vocab: int = 5) -> dict:
+    """A valid call of the operations whose arguments are all positional, in order."""
+    g = torch.Generator().manual_seed(batch * 1000 + vocab)
+    x = torch.randn(batch, vocab, generator=g).to(DEVICE)
+
+    def rows(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values[:batch], dtype=dtype, device=DEVICE)
+
+    return {
+        "greedy": lambda: {"logits": x},
+        "top_k_mask": lambda: {"logits": x, "top_k": rows([1, 3], torch.int64)},
+        "top_p_mask": lambda: {"logits": x, "top_p": rows([0.5, 0.9])},
+        "min_p_mask": lambda: {"logits": x, "min_p": rows([0.1, 0.5])},
+        "compute_logprobs": lambda: {"logits": x, "token_ids": rows([0, vocab - 1], torch.int64)},
+        "uniform": lambda: {
+            "seed": rows([0, 7], torch.int64),
+            "step": rows([3, 0], torch.int64),
+            "vocab_size": vocab,
+        },
+    }[op]()
+
+
+SIMPLE_TENSORS = [
+    (op, name)
+    for op in ("greedy", "top_k_mask", "top_p_mask", "min_p_mask", "compute_logprobs", "uniform")
+    for name, value in valid_simple_args(op).items()
+    if isinstance(value, torch.Tensor)
+]
+
+
+@pytest.mark.clause("SAMPLE-VALID-3")
+@pytest.mark.parametrize("kind", ["float", "list"])
+@pytest.mark.parametrize(("op", "name"), SIMPLE_TENSORS)
+def test_operations_name_an_argument_that_is_not_a_tensor(impl, op, name, kind):
+    args = valid_simple_args(op)
+    args[name] = not_a_tensor(args[name], kind)
+    with pytest.raises(TypeError, match=rf"\b{name}\b"):
+        impl.op(op)(*args.values())
+
+
+@pytest.mark.clause("SAMPLE-VALID-3")
+@pytest.mark.parametrize(
+    ("op", "batch"),
+    [
+        *(
+            (op, batch)
+            for op in ("greedy", "top_k_mask", "top_p_mask", "min_p_mask")
+            for batch in (2, 0)
+        ),
+        ("compute_logprobs", 0),  # with rows, no token id could be inside the vocabulary
+    ],
+)
+def test_operations_reject_an_empty_vocabulary(impl, op, batch):
+    args = valid_simple_args(op, batch=batch, vocab=0)
+    with pytest.raises(ValueError, match=r"\blogits\b"):
+        impl.op(op)(*args.values())
+
+
 # ---------------------------------------------------------------- logprobs
 
 

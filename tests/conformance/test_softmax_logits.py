@@ -229,3 +229,57 @@ def test_frequency_counts_output_only_presence_counts_once(impl):
         torch.tensor([0.25], device=DEVICE),
     )
     assert out.cpu().tolist() == [[0.0, -1.75, -0.75]]
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def valid_processor_args(op: str) -> dict:
+    """A valid call of `compute_logits` or a processor, its arguments in order."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, generator=g).to(DEVICE)
+
+    def rows(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    return {
+        "compute_logits": lambda: {
+            "hidden_states": torch.randn(2, 4, generator=g).to(DEVICE),
+            "output_weight": torch.randn(5, 4, generator=g).to(DEVICE),
+        },
+        "apply_logit_bias": lambda: {
+            "logits": x,
+            "logit_bias": (torch.rand(2, 5, generator=g) * 4 - 2).to(DEVICE),
+        },
+        "apply_min_tokens": lambda: {
+            "logits": x,
+            "stop_token_mask": (torch.rand(2, 5, generator=g) < 0.3).to(DEVICE),
+            "min_tokens": rows([2, 0], torch.int64),
+            "step": rows([1, 0], torch.int64),
+        },
+        "apply_penalties": lambda: {
+            "logits": x,
+            "prompt_mask": (torch.rand(2, 5, generator=g) < 0.5).to(DEVICE),
+            "output_counts": torch.randint(0, 3, (2, 5), generator=g).to(DEVICE),
+            "repetition_penalty": rows([1.3, 1.0]),
+            "frequency_penalty": rows([0.0, 0.0]),
+            "presence_penalty": rows([0.0, 0.0]),
+        },
+    }[op]()
+
+
+PROCESSOR_TENSORS = [
+    (op, name)
+    for op in ("compute_logits", "apply_logit_bias", "apply_min_tokens", "apply_penalties")
+    for name in valid_processor_args(op)
+]
+
+
+@pytest.mark.clause("LOGITS-VALID-1")
+@pytest.mark.parametrize("kind", ["float", "list"])
+@pytest.mark.parametrize(("op", "name"), PROCESSOR_TENSORS)
+def test_processors_name_an_argument_that_is_not_a_tensor(impl, op, name, kind):
+    args = valid_processor_args(op)
+    args[name] = 1.5 if kind == "float" else args[name].tolist()
+    with pytest.raises(TypeError, match=rf"\b{name}\b"):
+        impl.op(op)(*args.values())
