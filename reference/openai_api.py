@@ -413,16 +413,29 @@ class Responder:
             return {"content": content}
         legacy: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for step in steps:
-            token = self._text(step.token_id)
-            legacy["tokens"].append(token)
+            legacy["tokens"].append(self._legacy_token(step.token_id))
             legacy["token_logprobs"].append(_finite(step.logprob))
-            legacy["top_logprobs"].append({self._text(t): _finite(lp) for t, lp in step.top})
+            top = {self._legacy_token(t): _finite(lp) for t, lp in step.top}
+            legacy["top_logprobs"].append(top)
             legacy["text_offset"].append(self.text_offset)
-            self.text_offset += len(token)
+            self.text_offset += len(self._text(step.token_id))
         return legacy
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _legacy_token(self, token_id: int) -> str:
+        """The token as the legacy format names it: its text, or, for a token that holds
+        part of a UTF-8 character, `bytes:\\xNN...` as OpenAI writes it. Every such
+        token would otherwise decode to the same "\ufffd" and, as a key of
+        `top_logprobs`, overwrite the others."""
+        raw = self.tokenizer.token_bytes(token_id)
+        if raw:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+        return self._text(token_id)
 
     def _token(self, token_id: int, logprob: float) -> dict:
         # A token may hold part of a UTF-8 character: `bytes` is exact, `token` not.

@@ -9,7 +9,10 @@ Pinned here:
   STOP-UTF8-1: half a UTF-8 character, which the byte-level tokenizer splits
   over several tokens) still sends a logprob for every token, in the chunk of
   the step that made it: the streamed logprobs, concatenated, are the whole
-  answer's, token for token, for `/v1/completions` and `/v1/chat/completions`.
+  answer's, token for token, for `/v1/completions` and `/v1/chat/completions`;
+- in the legacy completions format, a token that holds part of a character is
+  named `bytes:\\xNN...` (as OpenAI does), so such tokens never collide as
+  keys of `top_logprobs`.
 
 The prompts are ones the bundled SmolLM2 answers greedily with emoji or kana,
 three or two tokens a character; each of those tests also checks that its
@@ -155,9 +158,16 @@ def test_streamed_completion_logprobs_cover_held_back_tokens(http):
     # "😐😐" (STOP-STREAM-1); fewer chunks carry text than there are tokens.
     text = whole["choices"][0]["text"]
     assert whole["choices"][0]["finish_reason"] == "stop" and "😐" in text, whole["choices"][0]
-    assert any("\ufffd" in token for token in expected["tokens"]), (
+    assert any(token.startswith("bytes:\\x") for token in expected["tokens"]), (
         f"no token is part of a character: {expected['tokens']}"
     )
+    # Tokens that hold part of a character are named by their bytes (`bytes:\xNN`, as
+    # OpenAI writes them), so no two of them share a key of `top_logprobs`: each step
+    # lists its 2 alternatives, the greedy token among them with its own logprob.
+    for token, logprob, top in zip(
+        expected["tokens"], expected["token_logprobs"], expected["top_logprobs"], strict=True
+    ):
+        assert len(top) == 2 and top.get(token) == logprob, (token, logprob, top)
     assert completion_tokens(chunks) == tokens
     streamed_text = [ch["text"] for ch in choices(chunks)]
     assert "".join(streamed_text) == text
