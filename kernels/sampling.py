@@ -753,7 +753,7 @@ def sample(
     """Draw one token per row, the whole pipeline in one launch (spec.sampling.sample).
 
     Args:
-        logits: `[batch, vocab]` float16, bfloat16 or float32, any vocabulary size.
+        logits: `[batch, vocab]` float16, bfloat16 or float32, any vocabulary size >= 1.
         temperature: `[batch]` float, finite and >= 0; 0 makes the row greedy.
         top_k: `[batch]` int >= 0 (0: off).
         top_p: `[batch]` float in (0, 1] (1: off).
@@ -774,7 +774,9 @@ def sample(
     Raises:
         InvalidLogitsError: some rows are invalid; `.rows` names them and
             `.tokens` holds the other rows' tokens (−1 for those rows).
-        ValueError: an argument has the wrong shape, dtype, device or range.
+        ValueError: an argument has the wrong shape, dtype, device or range, or
+            the logits have no column (SAMPLE-VALID-3).
+        TypeError: an argument that must be a tensor is not (SAMPLE-VALID-3).
 
     Example:
         >>> logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
@@ -819,7 +821,9 @@ def process_logits(
 
     Raises:
         InvalidLogitsError: some rows are invalid (`.tokens` is all −1).
-        ValueError: an argument has the wrong shape, dtype, device or range.
+        ValueError: an argument has the wrong shape, dtype, device or range, or
+            the logits have no column (SAMPLE-VALID-3).
+        TypeError: an argument that must be a tensor is not (SAMPLE-VALID-3).
 
     Example:
         >>> process_logits(torch.tensor([[0.0, 2.0, 1.0]]), temperature=torch.tensor([0.5]),

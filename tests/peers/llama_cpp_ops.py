@@ -78,6 +78,10 @@ class _Candidates:
 
     def __init__(self, row: Tensor) -> None:
         z = row.detach().to(device="cpu", dtype=torch.float32).numpy()
+        if len(z) == 0:
+            # llama.cpp's softmax (top-p, dist) aborts the process on an empty array:
+            # GGML_ASSERT(cur_p->size > 0) in llama-sampler.cpp.
+            raise RuntimeError("llama.cpp aborts on an empty candidate array: not called")
         self.vocab = len(z)
         self.data = np.zeros(self.vocab, dtype=_TOKEN_DATA)
         self.data["id"] = np.arange(self.vocab, dtype=np.int32)
