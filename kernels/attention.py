@@ -54,7 +54,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import INTERPRET, check_caches, check_index_tensor, check_kernel_device
+from .checks import (
+    INTERPRET,
+    check_caches,
+    check_index_tensor,
+    check_kernel_device,
+    check_tensor,
+)
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # a global a kernel reads must be a constexpr
@@ -355,18 +361,28 @@ def _check(
     num_splits: int | None,
 ) -> None:
     """ATTN-VALID-1, plus `num_splits`: every check before any launch."""
-    if not isinstance(q, Tensor) or q.dim() != 3:
-        shape = list(q.shape) if isinstance(q, Tensor) else type(q).__name__
-        raise ValueError(f"q must have shape [num_tokens, num_q_heads, head_dim], got {shape}")
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start", query_start),
+    ):
+        check_tensor(name, t)
+    if q.dim() != 3:
+        raise ValueError(
+            f"q must have shape [num_tokens, num_q_heads, head_dim], got {list(q.shape)}"
+        )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
     if num_q_heads < 1 or head_dim < 1:
         raise ValueError(f"q must have num_q_heads and head_dim >= 1, got {list(q.shape)}")
     check_kernel_device("q", q)
-    if isinstance(k_cache, Tensor) and k_cache.dtype != q.dtype:
+    if k_cache.dtype != q.dtype:
         raise ValueError(f"k_cache must have q's dtype {q.dtype}, got {k_cache.dtype}")
-    if isinstance(k_cache, Tensor) and k_cache.device != q.device:
+    if k_cache.device != q.device:
         raise ValueError(f"k_cache is on {k_cache.device}, q on {q.device}")
     num_blocks, block_size, num_kv_heads, kv_head_dim = check_caches(k_cache, v_cache)
     if kv_head_dim != head_dim:
@@ -376,15 +392,16 @@ def _check(
             f"q has num_q_heads={num_q_heads}, which must be a multiple of "
             f"k_cache's num_kv_heads={num_kv_heads}"
         )
-    if not isinstance(seq_lens, Tensor) or seq_lens.dim() != 1:
-        shape = list(seq_lens.shape) if isinstance(seq_lens, Tensor) else type(seq_lens).__name__
-        raise ValueError(f"seq_lens must have shape [batch], got {shape}")
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must have shape [batch], got {list(seq_lens.shape)}")
     batch = seq_lens.shape[0]
     check_index_tensor("seq_lens", seq_lens, [batch], q.device)
     check_index_tensor("query_start", query_start, [batch + 1], q.device)
-    if not isinstance(block_table, Tensor) or block_table.dim() != 2:
-        shape = list(block_table.shape) if isinstance(block_table, Tensor) else type(block_table)
-        raise ValueError(f"block_table must have shape [batch, max_blocks_per_seq], got {shape}")
+    if block_table.dim() != 2:
+        raise ValueError(
+            "block_table must have shape [batch, max_blocks_per_seq], "
+            f"got {list(block_table.shape)}"
+        )
     max_blocks = block_table.shape[1]
     check_index_tensor("block_table", block_table, [batch, max_blocks], q.device)
     if scale is not None and not (
@@ -489,6 +506,8 @@ def paged_attention(
     Raises:
         ValueError: a wrong shape, dtype, device, index or value; the message
             names the argument. Nothing is launched.
+        TypeError: an argument that must be a tensor is not; the message names
+            it. Nothing is launched.
 
     Example:
         Two positions in blocks of one slot, stored in reverse order. Zero

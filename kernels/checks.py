@@ -5,7 +5,8 @@ never fires in the interpreter), so a wrong shape, dtype, device or index
 must be caught here, before a launch turns it into an out-of-bounds access.
 Every error is a ValueError whose message names the argument; an argument
 that is not a tensor at all raises `ArgumentTypeError`, a TypeError that is
-also a ValueError (the spec's SAMPLE-VALID-3, APPEND-VALID-1).
+also a ValueError (the spec's SOFTMAX-VALID-1: SAMPLE-VALID-3, ATTN-VALID-1,
+APPEND-VALID-1, VERIFY-VALID-1).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def check_tensor(name: str, value: object) -> Tensor:
     if not isinstance(value, Tensor):
         raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
+
+
+def check_vocabulary(name: str, t: Tensor) -> int:
+    """The size of the last dimension of `t`, the vocabulary, if it is at least 1; else
+    ValueError naming `name`: a row of no column would launch a loop of step 0."""
+    if t.dim() == 0 or t.shape[-1] == 0:
+        raise ValueError(
+            f"{name} must have at least one column (vocabulary size 0), got shape {list(t.shape)}"
+        )
+    return t.shape[-1]
 
 
 def check_kernel_device(name: str, t: Tensor) -> None:

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import INTERPRET, check_kernel_device, check_tensor
+from .checks import INTERPRET, check_kernel_device, check_tensor, check_vocabulary
 
 # The int32 key of −inf: every finite float32 has a larger key (see _ordered_key).
 KEY_NEG_INF = tl.constexpr(-2139095041)
@@ -508,11 +508,7 @@ def _check_logits(logits: Tensor) -> None:
             f"logits must be float16, bfloat16 or float32 for the Triton kernels, got "
             f"{logits.dtype}"
         )
-    if logits.shape[1] == 0:
-        raise ValueError(
-            "logits must have at least one column (vocabulary size 0), "
-            f"got shape {list(logits.shape)}"
-        )
+    check_vocabulary("logits", logits)
     check_kernel_device("logits", logits)
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import INTERPRET, check_kernel_device
+from .checks import INTERPRET, check_kernel_device, check_tensor, check_vocabulary
 from .sampling import _uniform
 
 PROBS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -149,6 +149,29 @@ def _verify_kernel(
     tl.store(num_accepted_ptr + row, position)
 
 
+def _check_types(
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    num_draft: Tensor,
+    temperature: Tensor,
+    seed: Tensor | None,
+    step: Tensor | None,
+) -> None:
+    """VERIFY-VALID-1: every tensor argument is a tensor (`seed` and `step` may be None)."""
+    for name, t in (
+        ("draft_tokens", draft_tokens),
+        ("draft_probs", draft_probs),
+        ("target_probs", target_probs),
+        ("num_draft", num_draft),
+        ("temperature", temperature),
+        ("seed", seed),
+        ("step", step),
+    ):
+        if t is not None or name not in ("seed", "step"):
+            check_tensor(name, t)
+
+
 def _check(
     draft_tokens: Tensor,
     draft_probs: Tensor,
@@ -158,21 +181,24 @@ def _check(
     seed: Tensor | None,
     step: Tensor,
 ) -> None:
-    """VERIFY-VALID-1: every check before the launch, each error naming the argument."""
-    if not isinstance(draft_tokens, Tensor) or draft_tokens.dim() != 2:
-        raise ValueError("draft_tokens must have shape [batch, K]")
+    """VERIFY-VALID-1: every check before the launch, each error naming the argument
+    (on arguments that passed `_check_types`)."""
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must have shape [batch, K], got {list(draft_tokens.shape)}")
     batch, k = draft_tokens.shape
     if draft_tokens.dtype.is_floating_point or draft_tokens.dtype == torch.bool:
         raise ValueError(f"draft_tokens must have an integer dtype, got {draft_tokens.dtype}")
-    if not isinstance(target_probs, Tensor) or target_probs.dim() != 3:
-        raise ValueError("target_probs must have shape [batch, K + 1, vocab]")
-    vocab = target_probs.shape[-1]
+    if target_probs.dim() != 3:
+        raise ValueError(
+            f"target_probs must have shape [batch, K + 1, vocab], got {list(target_probs.shape)}"
+        )
+    vocab = check_vocabulary("target_probs", target_probs)
     for name, t, shape in (
         ("target_probs", target_probs, [batch, k + 1, vocab]),
         ("draft_probs", draft_probs, [batch, k, vocab]),
     ):
-        if not isinstance(t, Tensor) or list(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}")
+        if list(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
         if t.dtype not in PROBS_DTYPES:
             raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
         if not bool((torch.isfinite(t) & (t >= 0)).all()):
@@ -180,12 +206,12 @@ def _check(
     for name, t in (("num_draft", num_draft), ("step", step), ("seed", seed)):
         if t is None:
             continue
-        if not isinstance(t, Tensor) or list(t.shape) != [batch]:
-            raise ValueError(f"{name} must have shape [{batch}]")
+        if list(t.shape) != [batch]:
+            raise ValueError(f"{name} must have shape [{batch}], got {list(t.shape)}")
         if t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
-    if not isinstance(temperature, Tensor) or list(temperature.shape) != [batch]:
-        raise ValueError(f"temperature must have shape [{batch}]")
+    if list(temperature.shape) != [batch]:
+        raise ValueError(f"temperature must have shape [{batch}], got {list(temperature.shape)}")
     if bool(((num_draft < 0) | (num_draft > k)).any()):
         raise ValueError(f"num_draft must be in [0, {k}], got {num_draft.tolist()}")
     if not bool((torch.isfinite(temperature) & (temperature >= 0)).all()):
@@ -241,7 +267,9 @@ def verify_drafts(
         tokens padded with −1, and `[batch]` int64 accepted counts.
 
     Raises:
-        ValueError: a wrong shape, dtype, device or value; nothing is launched.
+        ValueError: a wrong shape, dtype, device or value, or probabilities
+            with no column; nothing is launched.
+        TypeError: an argument that must be a tensor is not; nothing is launched.
 
     Example:
         >>> q = torch.eye(3)[[2, 0]][None]                    # drafts 2, then 0
@@ -251,6 +279,7 @@ def verify_drafts(
         >>> out.tokens.tolist(), out.num_accepted.tolist()
         ([[2, 1, -1]], [1])
     """
+    _check_types(draft_tokens, draft_probs, target_probs, num_draft, temperature, seed, step)
     if step is None:
         step = torch.zeros(num_draft.shape, dtype=torch.int64, device=num_draft.device)
     _check(draft_tokens, draft_probs, target_probs, num_draft, temperature, seed, step)

@@ -36,7 +36,7 @@ slot in `[−1, num_blocks · block_size)`; no slot other than −1 named twice
 (the result would depend on the order of the writes). An argument that is not
 a `torch.Tensor` at all (a Python number, a list) raises `TypeError` naming it
 instead, for example "slot_mapping must be a torch.Tensor, got list" (the
-spec's `ArgumentTypeError`, also a `ValueError`, LOGITS-VALID-1), and nothing
+spec's `ArgumentTypeError`, also a `ValueError`, SOFTMAX-VALID-1), and nothing
 is written either.
 """
 
@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .attention import check_cache_pair, check_index_tensor
-from .logits import check_tensor
+from .softmax import check_tensor
 
 
 def _check_append_args(

@@ -94,7 +94,10 @@ devices (all on `q`'s), `num_q_heads % num_kv_heads`, `query_start` starting
 at 0, non-decreasing and ending at `num_tokens`, `0 <= seq_lens[b] <=
 max_blocks_per_seq · block_size`, `q_len_b <= seq_lens[b]` (ATTN-EMPTY-1
 excepted), the block table entries that are read (ATTN-BOUNDS-1), and a
-finite `scale`.
+finite `scale`. An argument that is not a `torch.Tensor` at all (a Python
+number, a list) raises `TypeError` naming it instead, for example "seq_lens
+must be a torch.Tensor, got list" (the spec's `ArgumentTypeError`, also a
+`ValueError`, SOFTMAX-VALID-1).
 """
 
 from __future__ import annotations
@@ -104,16 +107,16 @@ import math
 import torch
 from torch import Tensor
 
-from .softmax import compute_dtype
+from .softmax import check_tensor, compute_dtype
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def check_index_tensor(name: str, t: Tensor, shape: list[int], device: torch.device) -> None:
-    """Raise ValueError naming `name` unless `t` is an int32/int64 tensor of `shape` on `device`."""
-    if not isinstance(t, Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    """Raise ValueError naming `name` unless `t` is an int32/int64 tensor of `shape` on `device`
+    (TypeError, `ArgumentTypeError`, if it is no tensor at all)."""
+    check_tensor(name, t)
     if list(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
     if t.dtype not in INDEX_DTYPES:
@@ -164,6 +167,15 @@ def check_attention_args(
     scale: float | None,
 ) -> tuple[list[int], list[int]]:
     """ATTN-VALID-1. Returns `seq_lens` and `query_start` as Python lists."""
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start", query_start),
+    ):
+        check_tensor(name, t)
     if q.dim() != 3:
         raise ValueError(
             f"q must have shape [num_tokens, num_q_heads, head_dim], got {list(q.shape)}"
@@ -295,6 +307,8 @@ def paged_attention(
     Raises:
         ValueError: an argument has the wrong shape, dtype, device or value
             (ATTN-VALID-1); the message names it.
+        TypeError: an argument that must be a tensor is not (ATTN-VALID-1);
+            the message names it.
 
     Example:
         Two positions in blocks of one slot, stored in reverse order. Zero

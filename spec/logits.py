@@ -38,11 +38,9 @@ output (the repetition penalty divides the biased logit).
 [LOGITS-VALID-1] Every tensor argument of `compute_logits` and of the
 processors must be a `torch.Tensor`: anything else (a Python number, a list,
 None) raises `TypeError` naming the argument and the type it got, for example
-"logit_bias must be a torch.Tensor, got float". The spec raises
-`ArgumentTypeError`, a `TypeError` that is also a `ValueError` (as
-PARAM-TYPE-1's `ParameterTypeError`), so code that reports invalid arguments
-by catching `ValueError` reports it too. A wrong shape raises `ValueError`
-naming the argument.
+"logit_bias must be a torch.Tensor, got float" (the spec raises
+`ArgumentTypeError`, a `TypeError` that is also a `ValueError`,
+SOFTMAX-VALID-1). A wrong shape raises `ValueError` naming the argument.
 """
 
 from __future__ import annotations
@@ -50,28 +48,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .softmax import compute_dtype
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """An argument that must be a tensor and is not (LOGITS-VALID-1, SAMPLE-VALID-3).
-
-    A `TypeError`, and a `ValueError` too, like `ParameterTypeError`.
-    """
-
-
-def check_tensor(name: str, value: object) -> Tensor:
-    """`value` if it is a `torch.Tensor`; else `ArgumentTypeError` naming `name`.
-
-    Example:
-        >>> check_tensor("logit_bias", 1.5)
-        Traceback (most recent call last):
-        ...
-        decodespec.spec.logits.ArgumentTypeError: logit_bias must be a torch.Tensor, got float
-    """
-    if not isinstance(value, Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
+from .softmax import check_tensor, compute_dtype
 
 
 def compute_logits(hidden_states: Tensor, output_weight: Tensor) -> Tensor:

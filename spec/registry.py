@@ -135,9 +135,19 @@ def _op(name: str, module: str, clauses: tuple[str, ...], tolerance: Tolerance) 
 OPERATIONS: dict[str, Operation] = {
     op.name: op
     for op in (
-        _op("softmax", "softmax", ("SOFTMAX-STABLE-1", "SOFTMAX-INF-1"), RELATIVE),
-        _op("log_softmax", "softmax", ("SOFTMAX-LOG-1", "SOFTMAX-INF-1"), RELATIVE),
-        _op("apply_temperature", "softmax", ("SOFTMAX-TEMP-1",), RELATIVE),
+        _op(
+            "softmax",
+            "softmax",
+            ("SOFTMAX-STABLE-1", "SOFTMAX-INF-1", "SOFTMAX-VALID-1"),
+            RELATIVE,
+        ),
+        _op(
+            "log_softmax",
+            "softmax",
+            ("SOFTMAX-LOG-1", "SOFTMAX-INF-1", "SOFTMAX-VALID-1"),
+            RELATIVE,
+        ),
+        _op("apply_temperature", "softmax", ("SOFTMAX-TEMP-1", "SOFTMAX-VALID-1"), RELATIVE),
         _op("compute_logits", "logits", ("LOGITS-PROJ-1", "LOGITS-VALID-1"), RELATIVE),
         _op("apply_logit_bias", "logits", ("LOGITS-BIAS-1", "LOGITS-VALID-1"), RELATIVE),
         _op("apply_min_tokens", "logits", ("LOGITS-MINTOK-1", "LOGITS-VALID-1"), RELATIVE),

@@ -33,7 +33,7 @@ per-row parameters, `token_ids`, `seed`, `step`) as a `torch.Tensor`; an
 optional one may be None. Anything else in a tensor's place (a Python number,
 a list, None for a required tensor) raises `TypeError` naming the argument
 and the type it got, for example "logits must be a torch.Tensor, got float"
-(the spec raises `ArgumentTypeError`, LOGITS-VALID-1). Logits with no column
+(the spec raises `ArgumentTypeError`, SOFTMAX-VALID-1). Logits with no column
 raise `ValueError` naming logits, for example "logits must have at least one
 column (vocabulary size 0)": with nothing to choose from, the call is wrong,
 not one of its rows (SAMPLE-VALID-1), whatever the batch size.
@@ -180,8 +180,15 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from .logits import apply_logit_processors, check_tensor
-from .softmax import apply_temperature, compute_dtype, log_softmax, softmax
+from .logits import apply_logit_processors
+from .softmax import (
+    apply_temperature,
+    check_tensor,
+    check_vocabulary,
+    compute_dtype,
+    log_softmax,
+    softmax,
+)
 
 MAX_TOP_LOGPROBS = 20
 
@@ -714,11 +721,7 @@ def check_logits(logits: Tensor) -> tuple[int, int]:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
     compute_dtype(logits.dtype)  # raises for non-float dtypes
-    if logits.shape[1] == 0:
-        raise ValueError(
-            "logits must have at least one column (vocabulary size 0), "
-            f"got shape {list(logits.shape)}"
-        )
+    check_vocabulary("logits", logits)
     return logits.shape[0], logits.shape[1]
 
 

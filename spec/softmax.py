@@ -28,12 +28,64 @@ stage can observe (softmax, top-k, top-p, min-p and the Gumbel-max choice are
 all shift invariant); subtracting first means that no finite T, however
 small, overflows: the maxima map to 0 and everything else to a finite
 negative value or −inf. Rows with T == 0 (greedy) are returned as z − max z.
+
+[SOFTMAX-VALID-1] `logits` (and `apply_temperature`'s `temperature`) must be
+a `torch.Tensor`: anything else (a Python number, a list, None) raises
+`TypeError` naming the argument and the type it got, for example "logits must
+be a torch.Tensor, got float". The spec raises `ArgumentTypeError`, a
+`TypeError` that is also a `ValueError` (as PARAM-TYPE-1's
+`ParameterTypeError`), so code that reports invalid arguments by catching
+`ValueError` reports it too; every stage raises it for its tensor arguments
+(LOGITS-VALID-1, SAMPLE-VALID-3, ATTN-VALID-1, APPEND-VALID-1,
+VERIFY-VALID-1). Logits with no vocabulary (a last dimension of size 0) raise
+`ValueError` naming logits, for example "logits must have at least one column
+(vocabulary size 0)": a distribution over no token does not exist.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument that must be a tensor and is not (SOFTMAX-VALID-1).
+
+    A `TypeError`, and a `ValueError` too, like `ParameterTypeError`.
+    """
+
+
+def check_tensor(name: str, value: object) -> Tensor:
+    """`value` if it is a `torch.Tensor`; else `ArgumentTypeError` naming `name`.
+
+    Example:
+        >>> check_tensor("logit_bias", 1.5)
+        Traceback (most recent call last):
+        ...
+        decodespec.spec.softmax.ArgumentTypeError: logit_bias must be a torch.Tensor, got float
+    """
+    if not isinstance(value, Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_vocabulary(name: str, t: Tensor) -> int:
+    """The size of the last dimension of `t`, the vocabulary, if it is at least 1; else
+    `ValueError` naming `name` (SOFTMAX-VALID-1).
+
+    Example:
+        >>> check_vocabulary("logits", torch.zeros(2, 0))
+        Traceback (most recent call last):
+        ...
+        ValueError: logits must have at least one column (vocabulary size 0), got shape [2, 0]
+    """
+    if t.dim() == 0:
+        raise ValueError(f"{name} must have a vocabulary dimension [..., vocab], got shape []")
+    if t.shape[-1] == 0:
+        raise ValueError(
+            f"{name} must have at least one column (vocabulary size 0), got shape {list(t.shape)}"
+        )
+    return t.shape[-1]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,17 +96,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _upcast(logits: Tensor) -> Tensor:
-    return logits.to(compute_dtype(logits.dtype))
+    """Valid logits (SOFTMAX-VALID-1) in the dtype the spec computes in."""
+    check_tensor("logits", logits)
+    dtype = compute_dtype(logits.dtype)  # raises for non-float dtypes
+    check_vocabulary("logits", logits)
+    return logits.to(dtype)
 
 
 def softmax(logits: Tensor) -> Tensor:
     """Probabilities of each row of `logits` (SOFTMAX-STABLE-1, SOFTMAX-INF-1).
 
     Args:
-        logits: `[..., vocab]`, any floating dtype.
+        logits: `[..., vocab]`, any floating dtype, vocab >= 1.
 
     Returns:
         `[..., vocab]` float32 (float64 for float64 input).
+
+    Raises:
+        TypeError: `logits` is not a tensor; ValueError: it has no column
+            (SOFTMAX-VALID-1) or a non-floating dtype.
 
     Example:
         >>> softmax(torch.tensor([[0.0, 0.0, float("-inf")]]))
@@ -70,10 +130,14 @@ def log_softmax(logits: Tensor) -> Tensor:
     """Log-probabilities of each row of `logits` (SOFTMAX-LOG-1, SOFTMAX-INF-1).
 
     Args:
-        logits: `[..., vocab]`, any floating dtype.
+        logits: `[..., vocab]`, any floating dtype, vocab >= 1.
 
     Returns:
         `[..., vocab]` float32 (float64 for float64 input).
+
+    Raises:
+        TypeError: `logits` is not a tensor; ValueError: it has no column
+            (SOFTMAX-VALID-1) or a non-floating dtype.
 
     Example:
         >>> log_softmax(torch.tensor([[0.0, 0.0]]))
@@ -88,18 +152,24 @@ def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:
     """Scale each row by its temperature, max-subtracted (SOFTMAX-TEMP-1).
 
     Args:
-        logits: `[batch, vocab]`, any floating dtype.
+        logits: `[batch, vocab]`, any floating dtype, vocab >= 1.
         temperature: `[batch]`, finite and >= 0; 0 marks a greedy row.
 
     Returns:
         `[batch, vocab]` float32 (float64 for float64 input): `(z − max z) / T`,
         and `z − max z` for rows with `T == 0`.
 
+    Raises:
+        TypeError: `logits` or `temperature` is not a tensor (SOFTMAX-VALID-1).
+        ValueError: the logits have no column, or `temperature` has the wrong
+            shape or a value out of range; the message names the argument.
+
     Example:
         >>> apply_temperature(torch.tensor([[1.0, 3.0]]), torch.tensor([0.5]))
         tensor([[-4.,  0.]])
     """
     z = _upcast(logits)
+    check_tensor("temperature", temperature)
     if temperature.shape != z.shape[:1]:
         raise ValueError(
             f"temperature must have shape [{z.shape[0]}] (one per row), "

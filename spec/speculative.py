@@ -52,7 +52,14 @@ shapes (`draft_tokens` `[batch, K]`, `draft_probs` `[batch, K, vocab]`,
 probabilities), `num_draft` in [0, K], the first `num_draft[b]` drafts inside
 the vocabulary with `q_j(x_j) > 0` (a drafter cannot propose a token it gave
 probability 0), probabilities finite and >= 0, temperature finite and >= 0,
-`step` >= 0, and a seed whenever a row has temperature > 0.
+`step` >= 0, a seed whenever a row has temperature > 0, and a vocabulary of
+at least one token: probabilities with a last dimension of size 0 raise
+`ValueError` naming the probability tensor, for example "target_probs must
+have at least one column (vocabulary size 0)". An argument that is not a
+`torch.Tensor` at all (a Python number, a list; None for a required one)
+raises `TypeError` naming it instead, for example "temperature must be a
+torch.Tensor, got float" (the spec's `ArgumentTypeError`, also a
+`ValueError`, SOFTMAX-VALID-1); `seed` and `step` may be None.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ import torch
 from torch import Tensor
 
 from .sampling import STREAM_TOKEN_CHOICE, check_range, greedy, uniform
-from .softmax import compute_dtype
+from .softmax import check_tensor, check_vocabulary, compute_dtype
 
 STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
@@ -77,21 +84,42 @@ class Verification(NamedTuple):
 
 
 def _check_integer(name: str, t: Tensor, shape: list[int]) -> None:
-    if not isinstance(t, Tensor) or list(t.shape) != shape:
-        got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
-        raise ValueError(f"{name} must have shape {shape}, got {got}")
+    if list(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
     if t.dtype.is_floating_point or t.dtype == torch.bool:
         raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
 
 
 def _check_probs(name: str, t: Tensor, shape: list[int]) -> None:
-    if not isinstance(t, Tensor) or list(t.shape) != shape:
-        got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
-        raise ValueError(f"{name} must have shape {shape}, got {got}")
+    if list(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
     if not t.dtype.is_floating_point:
         raise ValueError(f"{name} must have a floating-point dtype, got {t.dtype}")
     if not bool((torch.isfinite(t) & (t >= 0)).all()):
         raise ValueError(f"{name} must hold finite probabilities >= 0")
+
+
+def _check_types(
+    draft_tokens: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    num_draft: Tensor,
+    temperature: Tensor,
+    seed: Tensor | None,
+    step: Tensor | None,
+) -> None:
+    """VERIFY-VALID-1: every tensor argument is a tensor (`seed` and `step` may be None)."""
+    for name, t in (
+        ("draft_tokens", draft_tokens),
+        ("draft_probs", draft_probs),
+        ("target_probs", target_probs),
+        ("num_draft", num_draft),
+        ("temperature", temperature),
+        ("seed", seed),
+        ("step", step),
+    ):
+        if t is not None or name not in ("seed", "step"):
+            check_tensor(name, t)
 
 
 def _check(
@@ -103,20 +131,22 @@ def _check(
     seed: Tensor | None,
     step: Tensor,
 ) -> None:
-    """VERIFY-VALID-1."""
-    if not isinstance(draft_tokens, Tensor) or draft_tokens.dim() != 2:
-        raise ValueError("draft_tokens must have shape [batch, K]")
+    """VERIFY-VALID-1, on arguments that passed `_check_types`."""
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must have shape [batch, K], got {list(draft_tokens.shape)}")
     batch, k = draft_tokens.shape
     _check_integer("draft_tokens", draft_tokens, [batch, k])
-    if not isinstance(target_probs, Tensor) or target_probs.dim() != 3:
-        raise ValueError("target_probs must have shape [batch, K + 1, vocab]")
-    vocab = target_probs.shape[-1]
+    if target_probs.dim() != 3:
+        raise ValueError(
+            f"target_probs must have shape [batch, K + 1, vocab], got {list(target_probs.shape)}"
+        )
+    vocab = check_vocabulary("target_probs", target_probs)
     _check_probs("target_probs", target_probs, [batch, k + 1, vocab])
     _check_probs("draft_probs", draft_probs, [batch, k, vocab])
     _check_integer("num_draft", num_draft, [batch])
     check_range("num_draft", num_draft, 0, k)
-    if not isinstance(temperature, Tensor) or list(temperature.shape) != [batch]:
-        raise ValueError(f"temperature must have shape [{batch}]")
+    if list(temperature.shape) != [batch]:
+        raise ValueError(f"temperature must have shape [{batch}], got {list(temperature.shape)}")
     check_range("temperature", temperature, 0, float("inf"), high_open=True)
     _check_integer("step", step, [batch])
     check_range("step", step, 0, float("inf"), high_open=True)
@@ -179,6 +209,11 @@ def verify_drafts(
         `Verification(tokens, num_accepted)`: `[batch, K + 1]` int64 emitted
         tokens padded with −1, and `[batch]` int64 accepted counts.
 
+    Raises:
+        ValueError: an argument has the wrong shape, dtype or value, or the
+            probabilities have no column (VERIFY-VALID-1); the message names it.
+        TypeError: an argument that must be a tensor is not (VERIFY-VALID-1).
+
     Example:
         The target agrees with a one-hot drafter on token 2 (accepted), then
         puts no mass on its next draft (rejected): the residual decides.
@@ -190,6 +225,7 @@ def verify_drafts(
         >>> out.tokens.tolist(), out.num_accepted.tolist()
         ([[2, 1, -1]], [1])
     """
+    _check_types(draft_tokens, draft_probs, target_probs, num_draft, temperature, seed, step)
     if step is None:
         step = torch.zeros(num_draft.shape, dtype=torch.int64, device=num_draft.device)
     _check(draft_tokens, draft_probs, target_probs, num_draft, temperature, seed, step)

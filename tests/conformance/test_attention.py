@@ -901,6 +901,18 @@ def test_attention_rejects_tensors_on_another_device(impl, name):
         impl.op("paged_attention")(**args)
 
 
+@pytest.mark.clause("ATTN-VALID-1")
+@pytest.mark.parametrize("kind", ["float", "list"])
+@pytest.mark.parametrize(
+    "name", ["q", "k_cache", "v_cache", "block_table", "seq_lens", "query_start"]
+)
+def test_attention_names_an_argument_that_is_not_a_tensor(impl, name, kind):
+    args = valid_attention_args()
+    args[name] = 1.5 if kind == "float" else args[name].tolist()
+    with pytest.raises(TypeError, match=rf"\b{name}\b"):
+        impl.op("paged_attention")(**args)
+
+
 @pytest.mark.clause("ATTN-VALID-1", "ATTN-BOUNDS-1")
 def test_attention_accepts_garbage_in_unread_table_entries(impl):
     args = valid_attention_args()

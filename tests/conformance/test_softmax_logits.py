@@ -283,3 +283,38 @@ def test_processors_name_an_argument_that_is_not_a_tensor(impl, op, name, kind):
     args[name] = 1.5 if kind == "float" else args[name].tolist()
     with pytest.raises(TypeError, match=rf"\b{name}\b"):
         impl.op(op)(*args.values())
+
+
+SOFTMAX_OPERATIONS = ("softmax", "log_softmax", "apply_temperature")
+
+
+def valid_softmax_args(op: str, batch: int = 2, vocab: int = 5) -> dict:
+    """A valid call of `softmax`, `log_softmax` or `apply_temperature`, its arguments in
+    order."""
+    g = torch.Generator().manual_seed(batch * 1000 + vocab)
+    args = {"logits": torch.randn(batch, vocab, generator=g).to(DEVICE)}
+    if op == "apply_temperature":
+        args["temperature"] = torch.tensor([0.7, 0.0][:batch], device=DEVICE)
+    return args
+
+
+SOFTMAX_TENSORS = [(op, name) for op in SOFTMAX_OPERATIONS for name in valid_softmax_args(op)]
+
+
+@pytest.mark.clause("SOFTMAX-VALID-1")
+@pytest.mark.parametrize("kind", ["float", "list"])
+@pytest.mark.parametrize(("op", "name"), SOFTMAX_TENSORS)
+def test_softmax_operations_name_an_argument_that_is_not_a_tensor(impl, op, name, kind):
+    args = valid_softmax_args(op)
+    args[name] = 1.5 if kind == "float" else args[name].tolist()
+    with pytest.raises(TypeError, match=rf"\b{name}\b"):
+        impl.op(op)(*args.values())
+
+
+@pytest.mark.clause("SOFTMAX-VALID-1")
+@pytest.mark.parametrize("batch", [2, 0])
+@pytest.mark.parametrize("op", SOFTMAX_OPERATIONS)
+def test_softmax_operations_reject_an_empty_vocabulary(impl, op, batch):
+    args = valid_softmax_args(op, batch=batch, vocab=0)
+    with pytest.raises(ValueError, match=r"\blogits\b"):
+        impl.op(op)(*args.values())

@@ -258,6 +258,27 @@ def test_verify_rejects_invalid_arguments(impl, mistake):
         impl.op("verify_drafts")(**change(valid_args()))
 
 
+@pytest.mark.clause("VERIFY-VALID-1")
+@pytest.mark.parametrize("kind", ["float", "list"])
+@pytest.mark.parametrize("name", list(valid_args()))
+def test_verify_names_an_argument_that_is_not_a_tensor(impl, name, kind):
+    args = valid_args()
+    args[name] = 1.5 if kind == "float" else args[name].tolist()
+    with pytest.raises(TypeError, match=rf"\b{name}\b"):
+        impl.op("verify_drafts")(**args)
+
+
+@pytest.mark.clause("VERIFY-VALID-1")
+@pytest.mark.parametrize("batch", [2, 0])
+def test_verify_rejects_an_empty_vocabulary(impl, batch):
+    args = {name: t[:batch] for name, t in valid_args().items()}
+    args["num_draft"] = torch.zeros_like(args["num_draft"])  # no draft token to look up
+    for name in ("draft_probs", "target_probs"):
+        args[name] = args[name][..., :0]
+    with pytest.raises(ValueError, match=r"\b(draft_probs|target_probs)\b"):
+        impl.op("verify_drafts")(**args)
+
+
 @pytest.mark.clause("VERIFY-VALID-1", "VERIFY-OUTPUT-1")
 def test_undrafted_columns_are_ignored(impl):
     args = valid_args()

@@ -4,10 +4,14 @@ different chunks, so only the ties-across-chunks strategy catches it."""
 
 import torch
 
+from decodespec.spec.sampling import check_logits
+
 CHUNK = 1024
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
+    # validated like the spec, so the mutant differs in its one behaviour only
+    check_logits(logits)
     z = logits.float()
     best_value = torch.full((z.shape[0],), -torch.inf, device=z.device)
     best_index = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)

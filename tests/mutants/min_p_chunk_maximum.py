@@ -6,10 +6,16 @@ import math
 
 import torch
 
+from decodespec.spec.sampling import check_logits
+from decodespec.spec.softmax import check_tensor
+
 CHUNK = 1024
 
 
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    # validated like the spec, so the mutant differs in its one behaviour only
+    check_logits(logits)
+    check_tensor("min_p", min_p)
     z = logits.float()
     log_m = min_p.to(device=z.device, dtype=torch.float32).log()[:, None]
     chunks = [z[:, start : start + CHUNK] for start in range(0, z.shape[-1], CHUNK)]
