@@ -118,6 +118,16 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
             "included, so the frequency and presence penalties also hit tokens seen only in "
             "the prompt (LOGITS-FREQ-1, LOGITS-PRES-1).",
         ),
+        (
+            "Hugging Face",
+            "its processors assume tensors: a Python number or a list where a tensor belongs "
+            "fails with an AttributeError naming no argument (LOGITS-VALID-1).",
+        ),
+        (
+            "llama.cpp",
+            "its samplers take C arrays, so a Python number or a list where a tensor belongs "
+            "fails before llama.cpp sees it, naming no argument (LOGITS-VALID-1).",
+        ),
     ],
     "softmax": [
         (
@@ -131,6 +141,18 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
             "its temperature sampler divides without subtracting the maximum, and at "
             "temperature 0 keeps the first maximum alone, every other token at −inf "
             "(SOFTMAX-TEMP-1).",
+        ),
+        (
+            "Hugging Face",
+            "`TemperatureLogitsWarper` assumes a tensor (a number or a list fails with an "
+            "AttributeError naming no argument) and divides logits with no column without "
+            "error, returning an empty row (SOFTMAX-VALID-1).",
+        ),
+        (
+            "llama.cpp",
+            "its temperature sampler takes a C array: a number or a list fails before it, "
+            "naming no argument, and an empty candidate array aborts the process "
+            "(`GGML_ASSERT(cur_p->size > 0)`), so it is never called on one (SOFTMAX-VALID-1).",
         ),
     ],
     "sampling": [
@@ -154,6 +176,19 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
             "Hugging Face",
             "`TopPLogitsWarper` cuts a sorted list, so of several tied maximum tokens it can "
             "keep one, which SAMPLE-ORDER-1 forbids.",
+        ),
+        (
+            "Hugging Face",
+            "`generate`'s warpers assume tensors (a number or a list fails with an "
+            "AttributeError naming no argument), and over logits with no column its argmax "
+            "and top-k/min-p warpers raise IndexError while top-p returns an empty row "
+            "(SAMPLE-VALID-3).",
+        ),
+        (
+            "llama.cpp",
+            "its samplers take C arrays, so a number or a list where a tensor belongs fails "
+            "before llama.cpp sees it, naming no argument, and an empty candidate array "
+            "aborts the process (SAMPLE-VALID-3).",
         ),
     ],
 }
