@@ -33,7 +33,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from decodespec.spec import registry
 from tests import repro
@@ -52,6 +52,8 @@ def _load_hypothesis_profiles() -> None:
         values = dict(values)
         if values.get("deadline") == "none":
             values["deadline"] = None
+        if "phases" in values:
+            values["phases"] = [Phase[name] for name in values["phases"]]
         settings.register_profile(name, **values)
     default = "ci" if os.environ.get("CI") else "dev"
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default))

@@ -54,7 +54,7 @@ CLEAN_FAILURE_MUTANTS = {
 
 
 def run_conformance(mutant: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HYPOTHESIS_PROFILE": "ci"}
+    env = {**os.environ, "HYPOTHESIS_PROFILE": "mutants"}
     return subprocess.run(
         [sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider",
          f"--impl=tests.mutants.{mutant}"],
