@@ -35,8 +35,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two worker processes, each given whole files (--dist loadfile), so a file's module
+# fixtures (a built wheel, a live server) are made once: about 1.4 times faster on
+# 2 cores than one process. TEST_WORKERS=1 runs the suite in this process.
+TEST_WORKERS ?= 2
+
 test: lint system-deps $(LLAMA_STAMP)
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) \
+		--durations=15
 
 $(LLAMA_STAMP): | $(STAMP) compiler
 	@echo "building $(LLAMA_CPP) from source (about 8 minutes on 2 cores, once) ..."

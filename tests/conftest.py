@@ -11,7 +11,7 @@ Options (each also an environment variable):
                      clause id (`# SAMPLE-TOPK-2: keeps exactly k tokens`) names
                      the clause the test fails on, which must be one it marks.
   --report FILE      (DECODESPEC_REPORT)  write the clause report (JSON).
-HYPOTHESIS_PROFILE selects ci / dev / thorough (pyproject.toml).
+HYPOTHESIS_PROFILE selects ci / dev / thorough / mutants (pyproject.toml).
 """
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ import torch
 # imports the kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist (`make test`), the workers share the machine's cores: each
+# worker, and every process its tests start, gets its share of threads, so that
+# two workers on two cores do not run four threads that wait on each other.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from hypothesis import Phase, settings
 

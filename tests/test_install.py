@@ -87,7 +87,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     run([sys.executable, "-m", "venv", str(venv)], work)
     python = venv / "bin" / "python"
     torch_version = torch.__version__.split("+")[0]
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # --no-compile: byte-compiling torch is most of an install and no test needs it
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
     run(
         [*pip, str(wheel), f"torch=={torch_version}", "kernels", "pytest", "hypothesis", "scipy"],
         work,

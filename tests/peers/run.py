@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -34,6 +35,11 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "peers.json"
 STATUSES = ("pass", "fail", "xfail", "skip")
+# Every file a cell can depend on besides the peer's own package: the spec (the
+# reference every test compares with), the conformance suite and its harness, the
+# adapters and their xfails files. The matrix records their hashes, and the suite
+# (tests/peers/test_matrix.py) refuses a committed matrix whose sources have moved on.
+SOURCE_FOLDERS = ("spec", "tests/conformance", "tests/peers")
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,32 @@ def column(peer: Peer) -> dict:
     return result
 
 
+def sources() -> dict[str, str]:
+    """Path -> SHA-256 (16 hex digits) of every file in `SOURCE_FOLDERS`, of the suite's
+    harness (tests/*.py) and of the hypothesis profiles. The tests of the harness and of
+    the adapters (tests/test_*.py, tests/peers/test_*.py) run no peer and are left out."""
+    files = [f for f in (ROOT / "tests").glob("*.py") if not f.name.startswith("test_")]
+    for folder in SOURCE_FOLDERS:
+        files += [f for f in (ROOT / folder).rglob("*") if f.suffix in (".py", ".xfails")]
+    files = [f for f in files if not (f.parent == HERE and f.name.startswith("test_"))]
+    hashes = {
+        f.relative_to(ROOT).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()[:16]
+        for f in files
+    }
+    profiles = json.dumps(_hypothesis_profiles(), sort_keys=True).encode()
+    hashes["pyproject.toml [tool.hypothesis]"] = hashlib.sha256(profiles).hexdigest()[:16]
+    return dict(sorted(hashes.items()))
+
+
+def _hypothesis_profiles() -> dict:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hypothesis"]
+
+
 def matrix(peers: tuple[Peer, ...] = PEERS) -> dict:
     """Every peer's column, with the machine and the clause texts."""
     from decodespec.spec import registry
@@ -205,6 +237,7 @@ def matrix(peers: tuple[Peer, ...] = PEERS) -> dict:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         },
         "hypothesis_profile": os.environ.get("HYPOTHESIS_PROFILE", "ci"),
+        "sources": sources(),
         "clauses": {
             clause.id: {"module": clause.module}
             for clause in registry.clauses().values()
