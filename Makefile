@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 
 # llama.cpp, a peer of the conformance suite (tests/peers/), through llama-cpp-python:
 # the package index has only its source, so it is compiled here, once per venv (about
-# 8 minutes on 2 cores). The version is pinned so that the committed matrix is reproducible.
+# 6 minutes on 2 cores). The version is pinned so that the committed matrix is reproducible.
 # LLAVA_BUILD=OFF skips the multimodal library (mtmd), which llama-cpp-python loads only
 # for image chat handlers and the peers never use.
 LLAMA_CPP ?= llama-cpp-python==0.3.36
@@ -45,7 +45,7 @@ test: lint system-deps $(LLAMA_STAMP)
 		--durations=15
 
 $(LLAMA_STAMP): | $(STAMP) compiler
-	@echo "building $(LLAMA_CPP) from source (about 8 minutes on 2 cores, once) ..."
+	@echo "building $(LLAMA_CPP) from source (about 6 minutes on 2 cores, once) ..."
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(VENV)/bin/pip install --quiet \
 		--disable-pip-version-check "$(LLAMA_CPP)"
