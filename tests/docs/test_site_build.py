@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import html
 import importlib
 import inspect
@@ -116,6 +117,37 @@ def test_kernels_page_documents_every_public_kernel(built_site):
     for name in kernels.__all__:
         assert re.search(rf"(def|class) {name}\b", text), f"kernels.{name} is not documented"
     assert "--impl yourpkg.kernels" in text
+
+
+def clause_marked_tests() -> set[tuple[str, str]]:
+    """(clause id, `file::test`) of every `@pytest.mark.clause(...)` in tests/conformance."""
+    marked = set()
+    for path in sorted((ROOT / "tests" / "conformance").glob("test_*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+                continue
+            test = f"{path.relative_to(ROOT).as_posix()}::{node.name}"
+            for mark in node.decorator_list:
+                if isinstance(mark, ast.Call) and getattr(mark.func, "attr", "") == "clause":
+                    marked |= {(arg.value, test) for arg in mark.args}
+    return marked
+
+
+def test_the_committed_report_has_every_conformance_test():
+    """docs/conformance-report.json is current: `make docs-report` after a test changes."""
+    report = json.loads((ROOT / "docs" / "conformance-report.json").read_text())
+    reported = {
+        (clause, entry["nodeid"].split("[")[0])
+        for clause, value in report["clauses"].items()
+        for entry in value["tests"]
+    }
+    marked = clause_marked_tests()
+    assert len(marked) > 50
+    missing, stale = sorted(marked - reported), sorted(reported - marked)
+    assert not (missing or stale), (
+        f"run `make docs-report` and commit docs/conformance-report.json\n"
+        f"not in the report: {missing}\nno longer in the suite: {stale}"
+    )
 
 
 def test_conformance_page_renders_the_committed_report(built_site):
