@@ -4,8 +4,8 @@ The cache of each layer is one tensor of fixed-size blocks,
 `[num_blocks, block_size, num_kv_heads, head_dim]` (SEMANTICS.md, "Attention
 with a KV cache"). A sequence maps a list of blocks (its block table), so
 sequences of any length share one pool without fragmentation; which block is
-whose, and which finished blocks are kept for reuse, is the allocator's
-business (`block_manager.py`).
+whose, and which finished blocks are kept for reuse, is the block manager's
+business (`block_manager.py`): this module only keeps the tensors.
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ from torch import Tensor
 
 from decodespec.spec.forward import ModelConfig, PagedBatch
 
-from .block_manager import BlockAllocator, BlockHash, block_hash
-
 
 class PagedKVCache:
-    """Per-layer K and V block pools and the allocator that hands out their blocks
-    (`prefix_caching`: keep finished full blocks for reuse, `BlockAllocator`)."""
+    """Per-layer K and V pools of `num_blocks` blocks of `block_size` positions."""
 
     def __init__(
         self,
@@ -33,11 +30,10 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        prefix_caching: bool = False,
-        hash_fn: BlockHash = block_hash,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # Uninitialised: no slot is read before it is written (ATTN-BOUNDS-1), and
@@ -57,11 +53,6 @@ class PagedKVCache:
                 f"{size / 2**30:.1f} GiB on {device}, which cannot be allocated: lower "
                 f"cache_tokens (or block_size) ({type(error).__name__})"
             ) from error
-        self.allocator = BlockAllocator(num_blocks, prefix_caching=prefix_caching, hash_fn=hash_fn)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        """How many blocks hold `num_tokens` positions."""
-        return -(-num_tokens // self.block_size)
 
     def slots(self, blocks: list[int], start: int, count: int) -> list[int]:
         """Flat slots (block · block_size + offset) of positions start .. start + count − 1."""

@@ -24,7 +24,7 @@ speculative sampling requires.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -33,8 +33,10 @@ from torch import Tensor
 from decodespec.spec.forward import ModelWeights, forward_cached
 from decodespec.spec.sampling import greedy, uniform
 
+from .backend import Backend
 from .cache import PagedKVCache
-from .request import Request
+from .request import Draft, Request
+from .sampler import Sampler
 
 DRAFT_STREAM = 3  # streams 0-2 are token choice, acceptance and residual (spec.speculative)
 
@@ -80,30 +82,8 @@ def ngram_draft(
     return []
 
 
-@dataclass(frozen=True)
-class Draft:
-    """A request's proposed tokens and the distributions they were drawn from.
-
-    `probs` is `[len(tokens), vocab]`, or None for a deterministic drafter
-    (one-hot distributions).
-    """
-
-    tokens: list[int]
-    probs: Tensor | None = None
-
-
-# distributions(logits, requests, outputs) -> (probs, seed, step, valid): for each
-# row, the distribution a token is drawn from under its request's parameters
-# (`Speculator.distributions`), given the request's output so far.
-Distributions = Callable[
-    [Tensor, list[Request], list[list[int]]], tuple[Tensor, Tensor, Tensor, Tensor]
-]
-
-
 class Drafter(Protocol):
-    def propose(
-        self, requests: list[Request], counts: list[int], distributions: Distributions
-    ) -> list[Draft]:
+    def propose(self, requests: list[Request], counts: list[int]) -> list[Draft]:
         """Up to `counts[i]` tokens for `requests[i]`, which has room in its blocks for them."""
         ...
 
@@ -116,9 +96,7 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(
-        self, requests: list[Request], counts: list[int], distributions: Distributions
-    ) -> list[Draft]:
+    def propose(self, requests: list[Request], counts: list[int]) -> list[Draft]:
         return [
             Draft(
                 ngram_draft(
@@ -148,6 +126,7 @@ class ModelDrafter:
         weights: ModelWeights,
         kv_cache: list[tuple[Tensor, Tensor]],
         cache: PagedKVCache,
+        sampler: Sampler,
         *,
         shares_target_cache: bool,
         attention: Callable[..., Tensor],
@@ -156,13 +135,19 @@ class ModelDrafter:
         self.weights = weights
         self.kv_cache = kv_cache
         self.cache = cache
+        self.sampler = sampler  # the target's: drafts follow each request's parameters
         self.shares_target_cache = shares_target_cache
         self.attention = attention
         self.append = append
 
     @classmethod
     def first_layers(
-        cls, target: ModelWeights, cache: PagedKVCache, num_layers: int, **ops: Callable
+        cls,
+        target: ModelWeights,
+        cache: PagedKVCache,
+        sampler: Sampler,
+        num_layers: int,
+        **ops: Callable,
     ) -> ModelDrafter:
         """Self-speculation: the target's first `num_layers` layers and its own head."""
         total = target.config.num_layers
@@ -175,11 +160,17 @@ class ModelDrafter:
             config=replace(target.config, num_layers=num_layers),
             layers=target.layers[:num_layers],
         )
-        return cls(weights, cache.layers[:num_layers], cache, shares_target_cache=True, **ops)
+        layers = cache.layers[:num_layers]
+        return cls(weights, layers, cache, sampler, shares_target_cache=True, **ops)
 
     @classmethod
     def second_model(
-        cls, draft: ModelWeights, target: ModelWeights, cache: PagedKVCache, **ops: Callable
+        cls,
+        draft: ModelWeights,
+        target: ModelWeights,
+        cache: PagedKVCache,
+        sampler: Sampler,
+        **ops: Callable,
     ) -> ModelDrafter:
         """A smaller model of the same vocabulary, with a cache of its own (same block ids)."""
         if draft.config.vocab_size != target.config.vocab_size:
@@ -190,16 +181,14 @@ class ModelDrafter:
         draft = draft.to(target.device)
         own = PagedKVCache(
             draft.config,
-            num_blocks=cache.allocator.num_blocks,
+            num_blocks=cache.num_blocks,
             block_size=cache.block_size,
             dtype=draft.dtype,
             device=draft.device,
         )
-        return cls(draft, own.layers, own, shares_target_cache=False, **ops)
+        return cls(draft, own.layers, own, sampler, shares_target_cache=False, **ops)
 
-    def propose(
-        self, requests: list[Request], counts: list[int], distributions: Distributions
-    ) -> list[Draft]:
+    def propose(self, requests: list[Request], counts: list[int]) -> list[Draft]:
         """Sample up to `counts[i]` tokens for each request, one batched forward per draft."""
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[Tensor]] = [[] for _ in requests]
@@ -226,8 +215,10 @@ class ModelDrafter:
                 attention=self.attention,
                 append=self.append,
             )
-            q, seed, step, valid = distributions(
-                logits, batch, [r.output_ids + tokens[i] for i, r in zip(live, batch, strict=True)]
+            q, seed, step, valid = self.sampler.draft_distributions(
+                logits,
+                [r.logits_state for r in batch],
+                [r.output_ids + tokens[i] for i, r in zip(live, batch, strict=True)],
             )
             noise = -(
                 -uniform(seed, step, q.shape[-1], stream=DRAFT_STREAM, dtype=q.dtype).log()
@@ -246,3 +237,31 @@ class ModelDrafter:
                     still.append(i)
             live = still
         return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
+
+
+def make_drafter(
+    speculate: str,
+    weights: ModelWeights,
+    cache: PagedKVCache | None,
+    backend: Backend,
+    sampler: Sampler,
+    draft_model: ModelWeights | None,
+) -> Drafter:
+    """The drafter `speculate` names: "ngram", "layers:N" or "model" (`draft_model`)."""
+    if not isinstance(speculate, str):
+        raise TypeError(f"speculate must be a string or None, got {speculate!r}")
+    if cache is None:
+        raise ValueError("speculative decoding needs the KV cache: it cannot run with naive=True")
+    ops = {"attention": backend.paged_attention, "append": backend.append_kv}
+    if speculate == "ngram":
+        return NgramDrafter()
+    if speculate.startswith("layers:"):
+        count = speculate.removeprefix("layers:")
+        if not count.isdigit():
+            raise ValueError(f"speculate {speculate!r}: N of layers:N must be an integer")
+        return ModelDrafter.first_layers(weights, cache, sampler, int(count), **ops)
+    if speculate == "model":
+        if draft_model is None:
+            raise ValueError("speculate='model' needs draft_model")
+        return ModelDrafter.second_model(draft_model, weights, cache, sampler, **ops)
+    raise ValueError(f"unknown speculate {speculate!r}: choose ngram, layers:N or model")

@@ -1,13 +1,15 @@
 """The engine: the decode loop over the spec's stages, with continuous batching.
 
-One `step()` is scheduler → model runner → postprocess, as in nano-vllm:
-the scheduler picks the requests of the pass and gives them cache blocks
-(admission, growth, preemption: `scheduler.py`); the runner runs one forward
-pass for all of them — the prompt of a request that just joined (prefill),
-one token for the others (decode), drafts too with speculation — and chooses
-their tokens (`runner.py`, `speculation.py`); postprocessing appends each
-token to its request's stop checker and emits an event. Requests join and
-leave between steps. Every request's tokens are those of the spec's loop
+One `step()` is scheduler → (drafter) → model runner → postprocess, as in
+nano-vllm: the scheduler picks the requests of the pass and gives them cache
+blocks (admission, growth, preemption, slots for drafts: `scheduler.py`,
+`block_manager.py`); with speculative decoding the drafter proposes tokens
+(`drafters.py`); the runner runs one forward pass for all of them — the
+prompt of a request that just joined (prefill), one token for the others
+(decode), drafts too — and its sampler chooses their tokens (`runner.py`,
+`sampler.py`); postprocessing appends each token to its request and returns
+what the step produced for it. Requests join and leave between steps.
+Every request's tokens are those of the spec's loop
 (`decodespec.spec.generate`) run on it alone.
 
 A failure inside a pass fails only the request that causes it: the pass is
@@ -30,12 +32,14 @@ from decodespec.spec.sampling import SamplingParams
 from decodespec.spec.stop import StopChecker
 
 from .backend import check_backend_device, get_backend
+from .block_manager import BlockManager, NaiveBlockManager
 from .cache import PagedKVCache
-from .drafters import Draft
-from .request import Event, Request, RequestOutput
-from .runner import ModelRunner, Outcome
-from .scheduler import Saved, Scheduler
-from .speculation import Speculator, make_drafter
+from .drafters import Drafter, make_drafter
+from .logits_state import LogitsState
+from .request import Draft, PassOutcome, Request, RequestOutput, RequestStepOutput
+from .runner import ModelRunner, NaiveModelRunner, PagedModelRunner
+from .sampler import Sampler
+from .scheduler import PassCheckpoint, Scheduler
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -111,25 +115,35 @@ class Engine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.backend = get_backend(backend)
         check_backend_device(self.backend, weights.device)
-        self.cache = None
-        if not naive:
-            blocks = -(-cache_tokens // block_size)
+        self.sampler = Sampler(self.backend, self.config.vocab_size, self.eos_token_ids)
+        self.cache: PagedKVCache | None = None
+        self.runner: ModelRunner
+        if naive:
+            self.block_manager: BlockManager | NaiveBlockManager = NaiveBlockManager()
+            self.runner = NaiveModelRunner(weights, self.backend, self.sampler)
+        else:
+            num_blocks = -(-cache_tokens // block_size)
             self.cache = PagedKVCache(
-                self.config, num_blocks=blocks, block_size=block_size, dtype=weights.dtype,
-                device=weights.device, prefix_caching=prefix_caching,
+                self.config, num_blocks=num_blocks, block_size=block_size, dtype=weights.dtype,
+                device=weights.device,
             )  # fmt: skip
-        self.scheduler = Scheduler(self.cache, self.config.max_context)
-        self.runner = ModelRunner(weights, self.backend, self.cache, self.eos_token_ids)
-        self.speculator = None
+            self.block_manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
+            self.runner = PagedModelRunner(weights, self.backend, self.sampler, self.cache)
+        self.drafter: Drafter | None = None
         if speculate is not None:
-            drafter = make_drafter(speculate, weights, self.cache, self.backend, draft_model)
-            self.speculator = Speculator(
-                drafter, num_draft, self.config, self.scheduler.grow, self.runner
+            self.drafter = make_drafter(
+                speculate, weights, self.cache, self.backend, self.sampler, draft_model
             )
         elif draft_model is not None:
             raise ValueError("draft_model is only used with speculate='model'")
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.config.max_context,
+            num_draft=self.num_draft if self.drafter is not None else 0,
+        )
         self.requests: dict[int, Request] = {}
-        self._streams: dict[int, deque[Event]] = {}  # events `generate` has yet to yield
+        # What each `generate` stream has yet to yield.
+        self._streams: dict[int, deque[RequestStepOutput]] = {}
         self._next_id = 0
 
     # -- requests
@@ -161,24 +175,24 @@ class Engine:
         )
         if num_draft is not None:
             _check_int("num_draft", num_draft, 0)
-            if num_draft > 0 and self.speculator is None:
+            if num_draft > 0 and self.drafter is None:
                 raise ValueError(
                     "num_draft: this engine has no drafter (it was built without speculate)"
                 )
             if num_draft > self.num_draft:
                 raise ValueError(f"num_draft must be in [0, {self.num_draft}], got {num_draft}")
-        params = sampling.resolve_seed(params, self.generator)
+        params = sampling.resolve_seed(params, self.generator)  # the one place seeds are drawn
         request = Request(
             id=self._next_id,
             prompt_ids=prompt_ids,
-            params=params,
-            stop=StopChecker(
+            output=StopChecker(
                 params,
                 eos_token_ids=self.eos_token_ids,
                 token_bytes=self.tokenizer.token_bytes,
                 prompt_len=len(prompt_ids),
                 max_context=self.config.max_context,
             ),
+            logits_state=LogitsState(params, prompt_ids),
             arrival=time.perf_counter() if arrival is None else arrival,
             num_draft=num_draft,
         )
@@ -213,10 +227,12 @@ class Engine:
         """The request's text, ids, finish reason and timings so far."""
         return RequestOutput.of(self._request(request_id))
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[Event]:
-        """Stream one request's events; other requests advance alongside, and several
-        streams may be read in turns (each gets all of its events). Closing the
-        generator early aborts the request."""
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> Iterator[RequestStepOutput]:
+        """Stream one request's step outputs; other requests advance alongside, and
+        several streams may be read in turns (each gets all of its outputs). Closing
+        the generator early aborts the request."""
         request_id = self.add_request(prompt_ids, params)
         pending = self._streams[request_id] = deque()
         try:
@@ -237,34 +253,35 @@ class Engine:
     # -- one step of the loop
 
     @torch.inference_mode()  # no autograd bookkeeping on any op of the loop
-    def step(self) -> list[Event]:
-        """Schedule, run one pass (drafts included), then append each request's tokens."""
+    def step(self) -> list[RequestStepOutput]:
+        """Schedule, draft, run one pass, then append each request's tokens."""
         batch = self.scheduler.schedule()
-        saved = [self.scheduler.save(r) for r in batch]
+        checkpoints = [self.scheduler.checkpoint(r) for r in batch]
         try:
             outcomes = self._pass(batch) if batch else []
         except Exception:  # someone's fault: undo, and run each request alone to find whose
-            for r, s in zip(batch, saved, strict=True):
-                self.scheduler.restore(r, s)
-            outcomes = [self._pass_alone(r, s) for r, s in zip(batch, saved, strict=True)]
+            for r, checkpoint in zip(batch, checkpoints, strict=True):
+                self.scheduler.restore(r, checkpoint)
+            outcomes = [self._pass_alone(r, c) for r, c in zip(batch, checkpoints, strict=True)]
         now = time.perf_counter()
-        events: list[Event] = []
+        outputs: list[RequestStepOutput] = []
         for request, outcome in zip(batch, outcomes, strict=True):
-            events += self.scheduler.postprocess(request, outcome, now)
-        for event in events:
-            if event.request_id in self._streams:
-                self._streams[event.request_id].append(event)
-        return events
+            outputs += self.scheduler.postprocess(request, outcome, now)
+        for output in outputs:
+            if output.request_id in self._streams:
+                self._streams[output.request_id].append(output)
+        return outputs
 
-    def _pass(self, batch: list[Request]) -> list[Outcome]:
-        if self.speculator is None:
-            return self.runner.run(batch, [Draft([]) for _ in batch], None, self.show_probs)
-        drafts = self.speculator.draft(batch)
-        return self.runner.run(batch, drafts, self.speculator.verify, self.show_probs)
+    def _pass(self, batch: list[Request]) -> list[PassOutcome]:
+        if self.drafter is None:
+            drafts = [Draft([]) for _ in batch]
+        else:
+            drafts = self.drafter.propose(batch, [r.draft_slots for r in batch])
+        return self.runner.run(batch, drafts, self.show_probs)
 
-    def _pass_alone(self, request: Request, saved: Saved) -> Outcome:
+    def _pass_alone(self, request: Request, checkpoint: PassCheckpoint) -> PassOutcome:
         try:
             return self._pass([request])[0]
         except Exception as error:
-            self.scheduler.restore(request, saved)
-            return Outcome(error=f"{type(error).__name__}: {error}")
+            self.scheduler.restore(request, checkpoint)
+            return PassOutcome(error=f"{type(error).__name__}: {error}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from decodespec.spec.sampling import SamplingParams
 
 from .engine import Engine
-from .request import Event, RequestOutput
+from .request import RequestOutput, RequestStepOutput
 
 log = logging.getLogger("decodespec.serve")
 
@@ -39,17 +39,17 @@ class Stream:
 
     request_id: int
     _loop: asyncio.AbstractEventLoop
-    _queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    _queue: asyncio.Queue[RequestStepOutput] = field(default_factory=asyncio.Queue)
     output: RequestOutput | None = None
 
-    def _put(self, event: Event, output: RequestOutput | None) -> None:
+    def _put(self, event: RequestStepOutput, output: RequestOutput | None) -> None:
         # Runs on the event loop (call_soon_threadsafe), so `output` is set before
         # the reader sees the event that finishes the request.
         if output is not None:
             self.output = output
         self._queue.put_nowait(event)
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncIterator[RequestStepOutput]:
         while True:
             event = await self._queue.get()
             yield event
@@ -157,7 +157,7 @@ class EngineLoop:
             if isinstance(message, int):
                 stream = self._streams.get(message)
                 if stream is not None and self.engine.abort(message):
-                    self._finish(stream, Event(message, None, "", "abort"))
+                    self._finish(stream, RequestStepOutput(None, "", "abort", request_id=message))
                 continue
             self._add(message)
 
@@ -173,7 +173,7 @@ class EngineLoop:
         self._streams[request_id] = stream
         _call(add.loop, self._settle, add.accepted, stream, None)
 
-    def _deliver(self, events: list[Event]) -> None:
+    def _deliver(self, events: list[RequestStepOutput]) -> None:
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is None:
@@ -183,7 +183,7 @@ class EngineLoop:
             else:
                 self._finish(stream, event)
 
-    def _finish(self, stream: Stream, event: Event) -> None:
+    def _finish(self, stream: Stream, event: RequestStepOutput) -> None:
         del self._streams[stream.request_id]
         output = self.engine.release(stream.request_id)
         if event.error is not None and output.error is None:  # ended by the loop itself
@@ -195,7 +195,9 @@ class EngineLoop:
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id)
             message = "the server is shutting down" if self.error is None else repr(self.error)
-            self._finish(stream, Event(request_id, None, "", "error", error=message))
+            self._finish(
+                stream, RequestStepOutput(None, "", "error", request_id=request_id, error=message)
+            )
         while True:  # requests sent after the last drain: refuse them
             try:
                 message = self._inbox.get_nowait()

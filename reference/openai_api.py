@@ -33,7 +33,7 @@ from decodespec.spec import sampling
 from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.sampling import SamplingParams
 
-from .request import Event, RequestOutput
+from .request import RequestOutput, RequestStepOutput
 from .tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat"]
@@ -337,7 +337,7 @@ class Responder:
             return None
         return self._chunk({"role": "assistant", "content": ""}, None)
 
-    def chunk(self, event: Event) -> dict | None:
+    def chunk(self, event: RequestStepOutput) -> dict | None:
         """One event as a chunk; None when it carries nothing to send."""
         logprobs = None
         if self.request.logprobs and event.logprobs is not None:

@@ -1,4 +1,5 @@
-"""What the engine keeps per request and what it hands back: requests, events, outputs."""
+"""What the engine keeps per request and what it hands back: requests, the
+outputs of each step, drafts and pass outcomes, and summaries."""
 
 from __future__ import annotations
 
@@ -6,52 +7,90 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from decodespec.spec.generate import TokenLogprobs
-from decodespec.spec.sampling import SamplingParams
-from decodespec.spec.stop import StopChecker
+from torch import Tensor
 
-from .block_manager import PrefixKey
+from decodespec.spec.generate import StepOutput, TokenLogprobs
+from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.stop import StopChecker, StreamDelta
+
+from .block_allocator import PrefixKey
+from .logits_state import LogitsState
+
+# The longest a request goes without drafts after passes that accepted none.
+MAX_DRAFT_PAUSE = 16
 
 
 @dataclass(frozen=True)
-class Event:
-    """What one step produced for one request.
+class RequestStepOutput(StepOutput):
+    """What one engine step produced for one request of the batch: the spec loop's
+    `StepOutput` (token, text newly safe to show, finish reason, logprobs) and
+    the request's id, plus what only the engine has.
 
-    `token_id` is None only for an error event. `text` is the text newly safe
-    to show (streaming hold-back, STOP-STREAM-1). `candidates` (the engine's
+    `token_id` is None only for an error or abort. `finish_reason` may also be
+    "error" (with `error`, the message) or "abort". `candidates` (the engine's
     `show_probs`) lists the top tokens of the distribution the token was drawn
     from, after the filters, with their probabilities.
     """
 
-    request_id: int
     token_id: int | None
-    text: str
-    finish_reason: str | None = None  # "stop", "length" or "error"
+    finish_reason: str | None = None  # "stop", "length", "error" or "abort"
     logprobs: TokenLogprobs | None = None
+    request_id: int = -1
     candidates: list[tuple[int, float]] | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A request's proposed tokens and the distributions they were drawn from.
+
+    `probs` is `[len(tokens), vocab]`, or None for a deterministic drafter
+    (one-hot distributions).
+    """
+
+    tokens: list[int]
+    probs: Tensor | None = None
+
+
+@dataclass
+class PassOutcome:
+    """What one forward pass gave one request: its tokens (with their logprobs and
+    candidates) and how many drafts it verified, or the error that fails it."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    candidates: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    drafted: int = 0
     error: str | None = None
 
 
 @dataclass
 class Request:
-    """A request in flight: its prompt, parameters, cache blocks, output and timings."""
+    """A request in flight: its prompt, parameters, cache blocks, output and timings.
+
+    `output` decides the stop conditions and the text (the spec's stop stage);
+    `logits_state` is what the logits stage reads (`logits_state.py`); both
+    are advanced with every emitted token (`emit`).
+    """
 
     id: int
     prompt_ids: list[int]
-    params: SamplingParams
-    stop: StopChecker
+    output: StopChecker
+    logits_state: LogitsState
     arrival: float
     num_draft: int | None = None  # this request's cap on drafts per step (None: the engine's)
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose K/V are in the cache
-    # Keys of the leading full blocks registered for prefix caching (`Scheduler.remember`).
+    draft_slots: int = 0  # drafts this pass has cache slots for (`Scheduler.schedule`)
+    # Keys of the leading full blocks registered for prefix caching
+    # (`BlockManager.register_full_blocks`).
     prefix_keys: list[PrefixKey] = field(default_factory=list)
     cached_prompt_tokens: int | None = None  # prompt tokens reused at first admission
     draft_cached: int = 0  # positions a second-model drafter has cached
     target_passes: int = 0  # forward passes of the target that gave this request tokens
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
-    draft_pause: int = 0  # steps left without drafts (`Speculator.record`)
+    draft_pause: int = 0  # steps left without drafts (`record_verification`)
     draft_backoff: int = 0  # the pause after the next pass that accepts no draft
     preemptions: int = 0  # times the scheduler took its blocks back (recomputed later)
     token_times: list[float] = field(default_factory=list)
@@ -60,19 +99,66 @@ class Request:
     error: str | None = None
 
     @property
+    def params(self) -> SamplingParams:
+        """The request's parameters, its seed resolved (kept by the logits stage)."""
+        return self.logits_state.params
+
+    @property
     def output_ids(self) -> list[int]:
-        return self.stop.token_ids
+        return self.output.token_ids
 
     @property
     def length(self) -> int:
         """Prompt and output tokens so far."""
-        return len(self.prompt_ids) + len(self.stop.token_ids)
+        return len(self.prompt_ids) + len(self.output.token_ids)
 
     def new_tokens(self) -> list[int]:
         """Tokens the next pass runs through the model: what the cache lacks of
         prompt + output (the prompt at first, then the last token; everything
         again after a preemption)."""
         return (self.prompt_ids + self.output_ids)[self.num_cached :]
+
+    def emit(self, token_id: int, logprobs: TokenLogprobs | None, now: float) -> StreamDelta:
+        """Append an emitted token: its time, its logprobs, the logits stage's state, and
+        the stop stage, whose answer (text delta, finish reason) is returned."""
+        self.token_times.append(now)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        self.logits_state.advance(token_id)
+        return self.output.append(token_id)
+
+    # -- speculative decoding: how many drafts to ask for
+
+    def next_draft_count(self, num_draft: int, max_context: int) -> int:
+        """How many drafts this request takes in the coming pass: at most K (its own cap,
+        else the engine's `num_draft`), what max_tokens and the context leave room
+        for (the token after the drafts always comes too), and none while drafting
+        is paused (a step of the pause passes)."""
+        if self.draft_pause > 0:
+            self.draft_pause -= 1
+            return 0
+        limit = num_draft if self.num_draft is None else self.num_draft
+        count = min(limit, max_context - self.length - 1)
+        if self.params.max_tokens is not None:
+            count = min(count, self.params.max_tokens - len(self.output_ids) - 1)
+        return max(count, 0)
+
+    def record_verification(self, drafted: int, accepted: int) -> None:
+        """Count a verification pass's drafts, and draft less while drafts fail.
+
+        A verification pass costs more than a plain step (it runs K + 1
+        tokens), so one that accepts nothing is a loss. After such a pass the
+        request pauses drafting, twice as long as after the previous one (up
+        to MAX_DRAFT_PAUSE steps); each pass that accepts a draft halves the
+        pause. The drafting policy only looks at past passes, so the tokens
+        keep the target's distribution."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted == 0:
+            self.draft_backoff = min(max(1, 2 * self.draft_backoff), MAX_DRAFT_PAUSE)
+            self.draft_pause = self.draft_backoff
+        else:
+            self.draft_backoff //= 2
 
 
 @dataclass(frozen=True)
@@ -145,7 +231,7 @@ class RequestOutput:
         timing = Timings.of(r.arrival, r.token_times, len(r.prompt_ids))
         return cls(
             request_id=r.id,
-            text=r.stop.text,
+            text=r.output.text,
             token_ids=r.output_ids,
             finish_reason=r.finish_reason,
             seed=r.params.seed,

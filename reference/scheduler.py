@@ -1,5 +1,5 @@
-"""The scheduler: which requests run in the next pass, the cache blocks they own,
-and what each pass's tokens do to them (postprocess).
+"""The scheduler: which requests run in the next pass, and what each pass's tokens
+do to them (postprocess). It sees requests and the block manager, nothing else.
 
 Each step, running requests grow first (oldest first) so that their new
 tokens have cache slots; when the pool runs dry, the most recently admitted
@@ -8,7 +8,9 @@ recomputed (its prompt and output so far prefilled again, as vLLM does). A
 running request is never failed for lack of cache. Waiting requests are
 admitted only after that, first come first served, while blocks last, and
 not in a step that had to preempt. A request that could never fit alone
-(prompt + max_tokens beyond the cache) is refused when it is added.
+(prompt + max_tokens beyond the cache) is refused when it is added. With
+speculative decoding, each request then gets slots for the drafts it will
+take this pass, if the pool has them (vLLM's lookahead slots), else none.
 
 With prefix caching, a request admitted maps the cached blocks that hold the
 longest whole-block prefix of its sequence (never its last token, whose
@@ -22,63 +24,56 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .block_manager import CacheFullError
-from .cache import PagedKVCache
-from .request import Event, Request
-from .runner import Outcome
-from .speculation import Speculator
+from .block_manager import BlockManager, NaiveBlockManager
+from .request import PassOutcome, Request, RequestStepOutput
 
 
 @dataclass(frozen=True)
-class Saved:
-    """The request state a pass changes before its tokens are kept, to undo a failed pass."""
+class PassCheckpoint:
+    """What a pass changes in a request before its tokens are kept (cache positions,
+    drafter positions, blocks), to undo a failed pass."""
 
     num_cached: int
     draft_cached: int
     num_blocks: int
-    draft_pause: int
-    draft_backoff: int
 
 
 class Scheduler:
-    """Admission, growth, preemption, abort and finishing; `cache` None: no blocks (naive)."""
+    """Admission, growth, preemption, draft slots, abort and finishing.
 
-    def __init__(self, cache: PagedKVCache | None, max_context: int) -> None:
-        self.cache = cache
+    `num_draft` is the engine's K, the most drafts per request and pass (0:
+    no speculative decoding).
+    """
+
+    def __init__(
+        self, blocks: BlockManager | NaiveBlockManager, max_context: int, num_draft: int = 0
+    ) -> None:
+        self.blocks = blocks
         self.max_context = max_context
+        self.num_draft = num_draft
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
 
     def add(self, request: Request) -> None:
         """Queue a request; ValueError if it could never fit the cache on its own."""
-        if self.cache is not None:
-            max_tokens = request.params.max_tokens
-            if max_tokens is None:
-                max_tokens = self.max_context - len(request.prompt_ids)
-            # The last token is never run through the model: it needs no slot.
-            positions = len(request.prompt_ids) + max_tokens - 1
-            needed = self.cache.blocks_for(positions)
-            total = self.cache.allocator.num_blocks
-            if needed > total:
-                limit = "max_tokens" if request.params.max_tokens is not None else "the context"
-                raise ValueError(
-                    f"a {len(request.prompt_ids)}-token prompt with up to {max_tokens} new "
-                    f"tokens ({limit}) needs {needed} cache blocks of "
-                    f"{self.cache.block_size} positions; the cache has {total}: lower "
-                    "max_tokens or raise cache_tokens"
-                )
+        max_tokens = request.params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_context - len(request.prompt_ids)
+        limit = "max_tokens" if request.params.max_tokens is not None else "the context"
+        self.blocks.check_fits(request, max_tokens, limit)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Request]:
-        """The requests of the next pass, each with cache blocks for its new tokens."""
+        """The requests of the next pass, each with cache blocks for its new tokens and
+        `draft_slots` for the drafts it may take."""
         preempted = False
         for request in list(self.running):
             if request not in self.running:
                 continue  # preempted to make room for an older one
-            while not self.grow(request, request.length):
+            while not self.blocks.grow(request, request.length):
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted = True
@@ -88,74 +83,36 @@ class Scheduler:
             if not self.admit(self.waiting[0]):
                 break  # it fits once running requests finish
             self.running.append(self.waiting.popleft())
+        for request in self.running:
+            request.draft_slots = self._draft_slots(request)
         return list(self.running)
 
     def admit(self, request: Request) -> bool:
-        """Give a waiting request its blocks: the cached ones that hold a prefix of its
-        sequence, then new ones for the rest; False (taking none) if they do not fit."""
-        if self.cache is None:
-            return True
-        sequence = request.prompt_ids + request.output_ids
-        allocator, size = self.cache.allocator, self.cache.block_size
-        # The last token always runs: its logits choose the next token.
-        hits, keys = allocator.match_prefix(sequence, size, (len(sequence) - 1) // size)
-        allocator.share(hits)  # before allocating, so that no hit is evicted for the rest
-        request.blocks = list(hits)
-        if not self.grow(request, request.length):
-            self._release(request)
+        """Give a waiting request its blocks (mapping a cached prefix); False, taking
+        none, if they do not fit."""
+        if not self.blocks.allocate(request):
             return False
-        request.num_cached = len(hits) * size
-        request.prefix_keys = keys
         # What the cache served the client's prompt: the first admission's figure. A
         # readmission after preemption maps blocks the request cached itself; not counted.
         if request.cached_prompt_tokens is None:
             request.cached_prompt_tokens = min(request.num_cached, len(request.prompt_ids))
         return True
 
-    def grow(self, request: Request, positions: int) -> bool:
-        """Give the request blocks for `positions` positions; False (taking none) if
-        the pool has too few free."""
-        if self.cache is None:
-            return True
-        needed = self.cache.blocks_for(positions) - len(request.blocks)
-        try:
-            request.blocks += self.cache.allocator.allocate(max(0, needed))
-        except CacheFullError:
-            return False
-        return True
-
-    def shrink(self, request: Request, positions: int) -> None:
-        """Give back the request's blocks past its first `positions` positions."""
-        if self.cache is None:
-            return
-        keep = self.cache.blocks_for(positions)
-        if len(request.blocks) > keep:
-            self.cache.allocator.free(request.blocks[keep:])
-            del request.blocks[keep:]
-
-    def roll_back(self, request: Request) -> None:
-        """Forget rejected drafts: the cache keeps the emitted sequence's positions
-        only (its last token runs next step), and blocks past them go back."""
-        request.num_cached = min(request.num_cached, request.length - 1)
-        request.draft_cached = min(request.draft_cached, request.num_cached)
-        self.shrink(request, request.length)
-
-    @staticmethod
-    def save(request: Request) -> Saved:
-        r = request
-        return Saved(r.num_cached, r.draft_cached, len(r.blocks), r.draft_pause, r.draft_backoff)
-
-    def restore(self, request: Request, saved: Saved) -> None:
-        """Undo a failed pass: the request's cache positions, drafting state and blocks."""
-        request.num_cached, request.draft_cached = saved.num_cached, saved.draft_cached
-        request.draft_pause, request.draft_backoff = saved.draft_pause, saved.draft_backoff
-        if self.cache is not None:
-            self.shrink(request, saved.num_blocks * self.cache.block_size)
+    def _draft_slots(self, request: Request) -> int:
+        """How many drafts the request takes this pass: what it asks for
+        (`Request.next_draft_count`) if its blocks can grow to hold them, else none
+        (this pass is then plain decoding for it)."""
+        if not self.num_draft:
+            return 0
+        count = request.next_draft_count(self.num_draft, self.max_context)
+        if count > 0 and not self.blocks.grow(request, request.length + count):
+            return 0
+        return count
 
     def preempt(self, request: Request) -> None:
         """Take the request's blocks back; it waits first in line and is recomputed."""
         self.running.remove(request)
-        self._release(request)
+        self.blocks.free(request)
         request.num_cached = request.draft_cached = 0
         request.preemptions += 1
         self.waiting.appendleft(request)
@@ -167,62 +124,71 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release(request)
+        self.blocks.free(request)
 
-    def _release(self, request: Request) -> None:
-        if self.cache is not None and request.blocks:
-            self.cache.allocator.free(request.blocks)
-        request.blocks = []
-        request.prefix_keys = []
+    # -- a failed pass
 
-    def remember(self, request: Request, written: int) -> None:
-        """Register the request's full blocks within its first `written` positions
-        (all computed from its own tokens) for prefix caching."""
-        if self.cache is None or not self.cache.allocator.prefix_caching:
-            return
-        size = self.cache.block_size
-        sequence = request.prompt_ids + request.output_ids
-        for i in range(len(request.prefix_keys), written // size):
-            parent = request.prefix_keys[-1] if request.prefix_keys else None
-            tokens = sequence[i * size : (i + 1) * size]
-            request.prefix_keys.append(
-                self.cache.allocator.register(request.blocks[i], parent, tokens)
-            )
+    @staticmethod
+    def checkpoint(request: Request) -> PassCheckpoint:
+        return PassCheckpoint(request.num_cached, request.draft_cached, len(request.blocks))
 
-    def postprocess(self, request: Request, outcome: Outcome, now: float) -> list[Event]:
+    def restore(self, request: Request, checkpoint: PassCheckpoint) -> None:
+        """Undo a failed pass: the request's cache positions and blocks."""
+        request.num_cached = checkpoint.num_cached
+        request.draft_cached = checkpoint.draft_cached
+        self.blocks.truncate(request, checkpoint.num_blocks)
+
+    # -- after a pass
+
+    def postprocess(
+        self, request: Request, outcome: PassOutcome, now: float
+    ) -> list[RequestStepOutput]:
         """Append a pass's tokens to the request, up to the first that finishes it, and
-        return its events; then give back the blocks of rejected drafts."""
+        return their outputs; then give back the blocks of rejected drafts."""
         if outcome.error is not None:
             return [self.fail(request, outcome.error)]
         # Positions before the tokens this pass emits hold the keys and values of the
         # request's own tokens; any after them are drafts', which may be rejected.
-        self.remember(request, min(request.num_cached, request.length))
+        self.blocks.register_full_blocks(request, min(request.num_cached, request.length))
         request.target_passes += 1
         if outcome.drafted:
-            Speculator.record(request, outcome.drafted, accepted=len(outcome.tokens) - 1)
-        events = []
+            request.record_verification(outcome.drafted, accepted=len(outcome.tokens) - 1)
+        outputs = []
         try:
             for token, logprobs, candidates in zip(
                 outcome.tokens, outcome.logprobs, outcome.candidates, strict=True
             ):
-                request.token_times.append(now)
-                if logprobs is not None:
-                    request.logprobs.append(logprobs)
-                delta = request.stop.append(token)
-                events.append(
-                    Event(request.id, token, delta.text, delta.finish_reason, logprobs, candidates)
+                delta = request.emit(token, logprobs, now)
+                outputs.append(
+                    RequestStepOutput(
+                        token_id=token,
+                        text=delta.text,
+                        finish_reason=delta.finish_reason,
+                        logprobs=logprobs,
+                        request_id=request.id,
+                        candidates=candidates,
+                    )
                 )
                 if delta.finish_reason is not None:
                     # A stop inside an accepted run cuts it: the later tokens are dropped.
                     self.finish(request, delta.finish_reason)
-                    return events
+                    return outputs
         except Exception as error:
-            return [*events, self.fail(request, f"{type(error).__name__}: {error}")]
+            return [*outputs, self.fail(request, f"{type(error).__name__}: {error}")]
         self.roll_back(request)
-        return events
+        return outputs
 
-    def fail(self, request: Request, message: str) -> Event:
+    def roll_back(self, request: Request) -> None:
+        """Forget rejected drafts: the cache keeps the emitted sequence's positions
+        only (its last token runs next step), and blocks past them go back."""
+        request.num_cached = min(request.num_cached, request.length - 1)
+        request.draft_cached = min(request.draft_cached, request.num_cached)
+        self.blocks.shrink(request, request.length)
+
+    def fail(self, request: Request, message: str) -> RequestStepOutput:
         """Finish the request with reason "error" and the message."""
         request.error = message
         self.finish(request, "error")
-        return Event(request.id, None, "", "error", error=message)
+        return RequestStepOutput(
+            token_id=None, text="", finish_reason="error", request_id=request.id, error=message
+        )

@@ -170,7 +170,7 @@ def test_seeded_request_is_batch_invariant(model):
 
 def test_requests_join_and_leave_and_blocks_return(model):
     engine = Engine(model, ByteTokenizer(), block_size=2, cache_tokens=64)
-    free = engine.cache.allocator.num_free
+    free = engine.block_manager.allocator.num_free
     a = engine.add_request(
         PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     )
@@ -184,7 +184,7 @@ def test_requests_join_and_leave_and_blocks_return(model):
         sizes.append(len(engine.scheduler.running))
     assert 2 in sizes and sizes[-1] == 0  # both decoded together, then both left
     assert engine.output(a).completion_tokens == 3 and engine.output(b).completion_tokens == 6
-    assert engine.cache.allocator.num_free == free
+    assert engine.block_manager.allocator.num_free == free
 
 
 def test_request_that_cannot_grow_preempts_instead_of_failing(model):
@@ -202,7 +202,7 @@ def test_request_that_cannot_grow_preempts_instead_of_failing(model):
         only = alone.add_request(list(prompt), long)
         run_all(alone)
         assert engine.output(request_id).token_ids == alone.output(only).token_ids
-    assert engine.cache.allocator.num_free == 10
+    assert engine.block_manager.allocator.num_free == 10
 
 
 def test_waiting_request_joins_when_blocks_free_up(model):
@@ -236,7 +236,7 @@ def run_script(script: list[int], params: SamplingParams) -> tuple[str, list[int
     step = 0
     while request.finish_reason is None:
         bias = {script[step]: 50.0}
-        request.params = SamplingParams(**{**params.__dict__, "logit_bias": bias})
+        request.logits_state.params = SamplingParams(**{**params.__dict__, "logit_bias": bias})
         for event in engine.step():
             streamed.append(event.text)
         step += 1

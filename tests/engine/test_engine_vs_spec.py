@@ -190,7 +190,7 @@ def check_all(engine: Engine, weights, ids, events, skip=()) -> None:
     if currently_in_test_context():
         event(f"near ties followed: {near_ties}")
     assert engine.cache is None or (
-        engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+        engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
     ), "blocks leaked"
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from decodespec.reference.block_manager import (
+from decodespec.reference.block_allocator import (
     ROOT_KEY,
     BlockAllocator,
     CacheFullError,
@@ -48,7 +48,7 @@ def check_blocks(engine: Engine) -> None:
     """The allocator's books after a step: every reference is a running request's
     table entry, no mapped block is free or cached (eviction never takes a block in
     use), and no request will write to a block another request maps."""
-    allocator, size = engine.cache.allocator, engine.cache.block_size
+    allocator, size = engine.block_manager.allocator, engine.block_manager.block_size
     running = engine.scheduler.running
     mapped = Counter(block for r in running for block in r.blocks)
     assert all(not r.blocks for r in engine.scheduler.waiting), "a waiting request owns blocks"
@@ -68,7 +68,7 @@ def check_blocks(engine: Engine) -> None:
 
 
 def check_released(engine: Engine) -> None:
-    allocator = engine.cache.allocator
+    allocator = engine.block_manager.allocator
     assert not any(allocator.ref_counts), "a reference outlived its request"
     assert allocator.num_free == allocator.num_blocks, "blocks leaked"
 
@@ -121,14 +121,14 @@ def test_shared_prefixes_give_each_request_its_spec_output(
         block_size=block_size,
         cache_tokens=blocks * block_size,
     )
-    engine.cache.allocator.hash_fn = HASHES[hash_name]
+    engine.block_manager.allocator.hash_fn = HASHES[hash_name]
     aborted = data.draw(st.sets(st.integers(0, len(workload) - 1), max_size=1))
     abort_at = {index: data.draw(st.integers(0, 10)) for index in aborted}
     ids, events = run_workload(engine, workload, abort_at, after_step=check_blocks)
     reused = cached_tokens(engine, ids)
     event(f"prompt tokens reused > 0: {reused > 0}")
     event(f"preemptions > 0: {sum(engine.requests[i].preemptions for i in ids.values()) > 0}")
-    event(f"cached blocks evicted > 0: {engine.cache.allocator.evictions > 0}")
+    event(f"cached blocks evicted > 0: {engine.block_manager.allocator.evictions > 0}")
     check_all(engine, weights, ids, events, skip=aborted)
     check_released(engine)
 
@@ -184,7 +184,7 @@ def test_a_repeated_system_prompt_is_prefilled_once(hash_name):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [SYSTEM + q for q in QUESTIONS]
     engine = Engine(weights, ByteTokenizer())
-    engine.cache.allocator.hash_fn = HASHES[hash_name]
+    engine.block_manager.allocator.hash_fn = HASHES[hash_name]
     cached = one_after_another(engine, prompts, params)
     plain = one_after_another(
         Engine(weights, ByteTokenizer(), prefix_caching=False), prompts, params
@@ -292,7 +292,7 @@ def test_a_hit_is_never_evicted_to_make_room_for_the_rest_of_its_request():
 def test_prefix_caching_off_registers_nothing():
     engine = Engine(small_model(7), ByteTokenizer(), prefix_caching=False)
     one_after_another(engine, [SYSTEM, SYSTEM], SamplingParams(temperature=0.0, max_tokens=2))
-    assert engine.cache.allocator.cached_blocks == frozenset()
+    assert engine.block_manager.allocator.cached_blocks == frozenset()
     with pytest.raises(TypeError, match="prefix_caching must be True or False"):
         Engine(small_model(7), ByteTokenizer(), prefix_caching="yes")
 

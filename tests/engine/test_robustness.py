@@ -38,7 +38,7 @@ def drain(engine: Engine) -> dict[int, list]:
 
 
 def all_blocks_free(engine: Engine) -> bool:
-    return engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    return engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
 
 
 # ---------------------------------------------------------------- bad arguments
@@ -193,13 +193,13 @@ FAULTS = {
 def test_a_fault_at_any_stage_fails_only_its_request(weights, stage):
     engine = Engine(weights, ByteTokenizer(), block_size=4, cache_tokens=256)
     field, when = FAULTS[stage]
-    engine.runner.backend = dataclasses.replace(
+    engine.runner.backend = engine.sampler.backend = dataclasses.replace(
         engine.backend, **{field: faulty(getattr(engine.backend, field), when)}
     )
     ids, events = run_workload(engine, fault_workload())
     assert_only_the_victim_failed(engine, ids, events, weights)
     # The engine is still usable, and still the spec.
-    engine.runner.backend = engine.backend
+    engine.runner.backend = engine.sampler.backend = engine.backend
     again = engine.add_request([5, 6, 7], fault_workload()[0][1])
     assert_request_matches_spec(engine, again, drain(engine)[again], weights)
 
@@ -220,13 +220,13 @@ def test_a_fault_while_streaming_text_fails_only_its_request(weights):
 
 def test_a_fault_in_the_drafter_fails_only_its_request(weights):
     engine = Engine(weights, ByteTokenizer(), block_size=4, cache_tokens=256, speculate="ngram")
-    drafter = engine.speculator.drafter
+    drafter = engine.drafter
     propose = drafter.propose
 
-    def faulty_propose(requests, counts, distributions):
+    def faulty_propose(requests, counts):
         if any(r.params.seed == VICTIM_SEED for r in requests):
             raise Boom("injected fault")
-        return propose(requests, counts, distributions)
+        return propose(requests, counts)
 
     drafter.propose = faulty_propose
     workload = [
@@ -240,7 +240,7 @@ def test_a_fault_in_the_drafter_fails_only_its_request(weights):
 def test_a_fault_in_verification_fails_only_its_request(weights):
     engine = Engine(weights, ByteTokenizer(), block_size=4, cache_tokens=256, speculate="ngram")
     backend = engine.backend
-    engine.runner.backend = dataclasses.replace(
+    engine.runner.backend = engine.sampler.backend = dataclasses.replace(
         backend, verify_drafts=faulty(backend.verify_drafts, victim_seed)
     )
     # Repetitive prompts so that prompt lookup drafts for every request.
@@ -263,7 +263,7 @@ def test_a_transient_fault_in_a_batched_pass_fails_no_request(weights):
         return calls["n"] == 3  # the third pass: requests mid-way through decoding
 
     backend = engine.backend
-    engine.runner.backend = dataclasses.replace(
+    engine.runner.backend = engine.sampler.backend = dataclasses.replace(
         backend, paged_attention=faulty(backend.paged_attention, once)
     )
     ids, events = run_workload(engine, fault_workload())

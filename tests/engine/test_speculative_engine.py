@@ -24,10 +24,8 @@ import torch
 from scipy import stats
 
 from decodespec.reference.cache import PagedKVCache
-from decodespec.reference.drafters import Draft
 from decodespec.reference.engine import Engine
-from decodespec.reference.request import Request
-from decodespec.reference.speculation import MAX_DRAFT_PAUSE
+from decodespec.reference.request import MAX_DRAFT_PAUSE, Draft, Request
 from decodespec.spec.forward import forward_naive
 from decodespec.spec.sampling import SamplingParams, process_logits, sampling_tensors
 from decodespec.spec.softmax import softmax
@@ -57,10 +55,11 @@ def check_blocks(engine: Engine) -> None:
     assert engine.cache is not None
     owned = [b for r in engine.scheduler.running for b in r.blocks]
     assert len(owned) == len(set(owned))
-    assert engine.cache.allocator.num_free + len(owned) == engine.cache.allocator.num_blocks
+    allocator = engine.block_manager.allocator
+    assert allocator.num_free + len(owned) == allocator.num_blocks
     for r in engine.scheduler.running:
         length = len(r.prompt_ids) + len(r.output_ids)
-        assert len(r.blocks) <= engine.cache.blocks_for(length)
+        assert len(r.blocks) <= engine.block_manager.blocks_for(length)
 
 
 def draft_model(config, seed: int = 7):
@@ -120,7 +119,7 @@ def test_greedy_speculation_gives_plain_greedy_tokens(drafter, config, block_siz
         while engine.has_unfinished():
             engine.step()
             check_blocks(engine)
-        assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+        assert engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
         return [engine.output(i).token_ids for i in ids]
 
     plain = run(None)
@@ -184,7 +183,7 @@ def test_drafts_wait_for_room_in_the_cache():
             engine.step()
             check_blocks(engine)
             drafted.append(engine.requests[ids[0]].drafted)
-        assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+        assert engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
         return [(engine.output(i).token_ids, engine.output(i).finish_reason) for i in ids], drafted
 
     plain, _ = run(None)
@@ -207,7 +206,7 @@ def test_failing_drafts_pause_drafting_with_doubling_pauses():
 
         right = False
 
-        def propose(self, requests, counts, distributions):
+        def propose(self, requests, counts):
             drafts = []
             for r, count in zip(requests, counts, strict=True):
                 token = expected[len(r.output_ids)]
@@ -215,7 +214,7 @@ def test_failing_drafts_pause_drafting_with_doubling_pauses():
             return drafts
 
     engine = Engine(weights, tokenizer, speculate="ngram")
-    engine.speculator.drafter = Scripted()
+    engine.drafter = Scripted()
     request_id = engine.add_request(list(b"go"), params)
     request = engine.requests[request_id]
     drafted_at = []
@@ -227,7 +226,7 @@ def test_failing_drafts_pause_drafting_with_doubling_pauses():
     # Passes at steps 0, 2, 5, 10, 19, 36: pauses of 1, 2, 4, 8, 16 steps between them.
     assert drafted_at == [0, 2, 5, 10, 19, 36]
     assert request.draft_pause == MAX_DRAFT_PAUSE - 3
-    engine.speculator.drafter.right = True
+    engine.drafter.right = True
     request.draft_pause = 0
     drain(engine)
     assert request.draft_backoff < MAX_DRAFT_PAUSE  # accepted drafts shrink the pause
@@ -268,7 +267,7 @@ def test_stop_inside_an_accepted_run_cuts_it(kind):
         while engine.has_unfinished():
             events += engine.step()
         out = engine.output(request)
-        assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+        assert engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
         assert events[-1].finish_reason == "stop"
         outputs.append(
             (out.token_ids, out.text, out.finish_reason, "".join(e.text for e in events))
@@ -308,7 +307,7 @@ def test_rollback_leaves_the_cache_of_a_fresh_run(drafter):
     assert rejected > 0, "precondition: some drafts were rejected"
     sequence = request.prompt_ids + request.output_ids
     assert request.num_cached == len(sequence) - 1
-    assert len(request.blocks) == engine.cache.blocks_for(len(sequence))
+    assert len(request.blocks) == engine.block_manager.blocks_for(len(sequence))
     check_blocks(engine)
 
     fresh = Engine(weights, tokenizer, block_size=3)

@@ -67,11 +67,11 @@ class LiveServer:
     def free_blocks(self) -> int:
         """Free cache blocks now (all of them when no request is in flight)."""
         assert self.engine.cache is not None
-        return self.engine.cache.allocator.num_free
+        return self.engine.block_manager.allocator.num_free
 
     def total_blocks(self) -> int:
         assert self.engine.cache is not None
-        return self.engine.cache.allocator.num_blocks
+        return self.engine.block_manager.allocator.num_blocks
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Until the engine has no unfinished request (aborts land between steps)."""

@@ -275,7 +275,8 @@ def test_a_request_that_fails_mid_stream_gets_an_error_event_and_others_finish(c
     def victim_seed(*args, seed=None, **kwargs):
         return seed is not None and bool((seed == victim).any())
 
-    engine.runner.backend = dataclasses.replace(healthy, sample=faulty(healthy.sample, victim_seed))
+    faulty_backend = dataclasses.replace(healthy, sample=faulty(healthy.sample, victim_seed))
+    engine.runner.backend = engine.sampler.backend = faulty_backend
     try:
         base = {"prompt": "abc", "max_tokens": 4, "ignore_eos": True, "temperature": 0.8}
         with client.stream(
@@ -285,11 +286,11 @@ def test_a_request_that_fails_mid_stream_gets_an_error_event_and_others_finish(c
         fine = client.post("/v1/completions", json={**base, "seed": 1}).json()
         failed = client.post("/v1/completions", json={**base, "seed": victim})
     finally:
-        engine.runner.backend = healthy
+        engine.runner.backend = engine.sampler.backend = healthy
     assert "injected fault" in payloads[-2]["error"]["message"]
     assert fine["choices"][0]["finish_reason"] == "length"
     assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
-    assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
 
 
 def test_speculation_per_request_on_a_server_with_a_drafter(weights):

@@ -80,7 +80,7 @@ def test_concurrent_callers_get_their_solo_tokens_and_share_passes(weights):
 
 def test_abort_ends_the_request_and_frees_its_blocks(weights):
     engine = engine_of(weights)
-    total = engine.cache.allocator.num_blocks
+    total = engine.block_manager.allocator.num_blocks
 
     async def main():
         loop = EngineLoop(engine)
@@ -101,7 +101,7 @@ def test_abort_ends_the_request_and_frees_its_blocks(weights):
     assert events[-1].finish_reason == "abort" and output.finish_reason == "abort"
     assert len(output.token_ids) < 80
     assert tokens == alone(weights, [4, 5], params(1))
-    assert engine.cache.allocator.num_free == total
+    assert engine.block_manager.allocator.num_free == total
     assert not engine.requests
 
 
@@ -141,7 +141,7 @@ def test_close_ends_unfinished_requests_with_an_error_and_refuses_new_ones(weigh
     assert rest[-1].finish_reason == "error" and "shutting down" in rest[-1].error
     assert output.finish_reason == "error"
     assert not loop.alive
-    assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
 
 
 def test_a_request_whose_caller_went_away_before_acceptance_is_aborted(weights):
@@ -162,7 +162,7 @@ def test_a_request_whose_caller_went_away_before_acceptance_is_aborted(weights):
 
     asyncio.run(main())
     assert not engine.requests and not engine.has_unfinished()
-    assert engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
 
 
 def test_release_refuses_an_unfinished_request(weights):

@@ -1,0 +1,335 @@
+"""The sampler: the stages after the forward pass, over a batch of logits rows.
+
+One row per position that gets a token (a request's last token, and each of
+its drafts). For those rows the sampler builds the per-row tensors from each
+request's `LogitsState`, then chooses tokens with the backend's stage
+functions: `sample` for a request without drafts, `verify_drafts` for one
+with drafts, and logprobs and candidates for the tokens chosen. Processed
+logits (steps 1-8 of the sampling pipeline) are computed at most once per
+pass, for every row that needs them (`PassLogits`).
+
+Invalid rows (SAMPLE-VALID-1) come back as a reason per row (FlashInfer's
+style: tokens plus a validity mask), never as an exception, so the engine
+fails those requests and keeps the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from decodespec.spec import sampling
+from decodespec.spec.generate import TokenLogprobs
+from decodespec.spec.softmax import softmax
+
+from .backend import Backend
+from .logits_state import LogitsState
+from .request import Draft, PassOutcome
+
+MODEL_INVALID = "the model produced NaN or infinite logits"
+PROCESSORS_INVALID = (
+    "the request's logit processors (logit_bias, min_tokens, penalties) "
+    "turned the model's valid logits invalid (NaN, +inf or all -inf)"
+)
+
+Tensors = dict[str, Tensor]
+
+
+def rows_of(tensors: Tensors, rows: Sequence[int]) -> Tensors:
+    """The sampling tensors of some rows."""
+    return {name: values[list(rows)] for name, values in tensors.items()}
+
+
+def processing_args(tensors: Tensors) -> Tensors:
+    """`process_logits`'s arguments: the sampling tensors but the seed, which only the
+    choice of a token uses."""
+    return {name: values for name, values in tensors.items() if name != "seed"}
+
+
+class PassLogits:
+    """A pass's logits rows with their sampling tensors, and their processed logits
+    computed once, on first use, for every row that any consumer will ask for."""
+
+    def __init__(
+        self, sampler: Sampler, logits: Tensor, tensors: Tensors, needs: list[int]
+    ) -> None:
+        self.sampler = sampler
+        self.logits = logits
+        self.tensors = tensors
+        self._needs = needs  # the rows whose processed logits will be asked for
+        self._processed: dict[int, int] | None = None  # row -> index in the computed block
+        self._block: Tensor | None = None
+        self._reasons: list[str | None] = []
+
+    def processed(self, rows: Sequence[int]) -> tuple[Tensor, list[str | None]]:
+        """Processed logits of `rows` (each must be in `needs`), and per row None or why
+        it is invalid (its processed row is then the raw row)."""
+        if self._processed is None:
+            needs = sorted(set(self._needs))
+            self._block, self._reasons = self.sampler.process(
+                self.logits[needs], rows_of(self.tensors, needs)
+            )
+            self._processed = {row: i for i, row in enumerate(needs)}
+        index = [self._processed[row] for row in rows]
+        return self._block[index], [self._reasons[i] for i in index]
+
+
+class Sampler:
+    """Chooses tokens from logits rows with a backend's stage functions."""
+
+    def __init__(self, backend: Backend, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.backend = backend
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def tensors(
+        self, states: Sequence[LogitsState], outputs: Sequence[list[int]], device: torch.device
+    ) -> Tensors:
+        """`sample`'s per-row tensors: row i has states[i]'s parameters after `outputs[i]`."""
+        return sampling.sampling_tensors(
+            [state.params for state in states],
+            vocab_size=self.vocab_size,
+            prompt_token_ids=[state.prompt_ids for state in states],
+            output_token_ids=list(outputs),
+            eos_token_ids=self.eos_token_ids,
+            device=device,
+        )
+
+    # -- the stage functions, row by row, with invalid rows as reasons
+
+    def sample(self, logits: Tensor, tensors: Tensors) -> tuple[Tensor, list[str | None]]:
+        """One token per row, and per row None or why its logits are invalid."""
+        try:
+            return self.backend.sample(logits, **tensors), [None] * len(logits)
+        except self.backend.invalid_logits_error as error:
+            return error.tokens.clamp(min=0), invalid_reasons(logits, error.rows)
+
+    def process(self, logits: Tensor, tensors: Tensors) -> tuple[Tensor, list[str | None]]:
+        """The logits each row's token is drawn from (steps 1-8), and per row None or
+        why it is invalid (its processed row is then the raw row)."""
+        args = processing_args(tensors)
+        try:
+            return self.backend.process_logits(logits, **args), [None] * len(logits)
+        except self.backend.invalid_logits_error as error:
+            reasons = invalid_reasons(logits, error.rows)
+            good = [i for i, reason in enumerate(reasons) if reason is None]
+            processed = logits.to(torch.promote_types(logits.dtype, torch.float32)).clone()
+            if good:
+                processed[good] = self.backend.process_logits(logits[good], **rows_of(args, good))
+            return processed, reasons
+
+    def distributions(self, rows: PassLogits, at: list[int]) -> tuple[Tensor, list[str | None]]:
+        """The distribution the token of each row in `at` is drawn from, and per row
+        None or why it is invalid.
+
+        A sampled row: softmax of its processed logits (steps 1-8). A greedy
+        row: the point mass at the token `sample` chooses, so that speculative
+        verification compares drafts with exactly plain greedy's token.
+        Invalid rows are all zeros.
+        """
+        logits = rows.logits
+        probs = logits.new_zeros(len(at), logits.shape[1])
+        reasons: list[str | None] = [None] * len(at)
+        greedy = (rows.tensors["temperature"][at] == 0).tolist()
+        part = [j for j in range(len(at)) if greedy[j]]
+        if part:
+            picked = [at[j] for j in part]
+            tokens, why = self.sample(logits[picked], rows_of(rows.tensors, picked))
+            probs[part, tokens] = 1
+            for j, reason in zip(part, why, strict=True):
+                reasons[j] = reason
+        part = [j for j in range(len(at)) if not greedy[j]]
+        if part:
+            processed, why = rows.processed([at[j] for j in part])
+            probs[part] = softmax(processed).to(probs.dtype)
+            for j, reason in zip(part, why, strict=True):
+                reasons[j] = reason
+        probs[[j for j, reason in enumerate(reasons) if reason is not None]] = 0
+        return probs, reasons
+
+    def draft_distributions(
+        self, logits: Tensor, states: list[LogitsState], outputs: list[list[int]]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For a model drafter: each row's distribution under its request's parameters
+        after `outputs[i]` (`distributions`), with the row's seed, step and validity."""
+        tensors = self.tensors(states, outputs, logits.device)
+        everything = list(range(len(logits)))
+        probs, reasons = self.distributions(
+            PassLogits(self, logits, tensors, everything), everything
+        )
+        valid = torch.tensor([reason is None for reason in reasons], device=logits.device)
+        return probs, tensors["seed"], tensors["step"], valid
+
+    def verify(
+        self, drafts: list[Draft], rows: PassLogits, at: list[int]
+    ) -> tuple[list[list[int]], list[str | None]]:
+        """Each drafted request's tokens (accepted drafts, then one more) and None, or no
+        tokens and why its first row is invalid. Request i owns the rows of `at`
+        after the previous requests' (one after its last token, one per draft)."""
+        probs, reasons = self.distributions(rows, at)
+        k = max(len(d.tokens) for d in drafts)
+        vocab = probs.shape[-1]
+        target = probs.new_zeros(len(drafts), k + 1, vocab)
+        draft_probs = probs.new_zeros(len(drafts), k, vocab)
+        draft_tokens = torch.zeros(len(drafts), k, dtype=torch.int64, device=probs.device)
+        num_draft, heads, errors = [], [], []
+        i0 = 0
+        for i, draft in enumerate(drafts):
+            n = len(draft.tokens)
+            target[i, : n + 1] = probs[i0 : i0 + n + 1]
+            draft_tokens[i, :n] = torch.tensor(draft.tokens, device=probs.device)
+            if draft.probs is None:  # a deterministic drafter: one-hot
+                draft_probs[i, torch.arange(n, device=probs.device), draft_tokens[i, :n]] = 1
+            else:
+                draft_probs[i, :n] = draft.probs
+            # Invalid target logits after draft j − 1 end the run before it: only the
+            # tokens before them are decided (none, if the first row is invalid).
+            bad = [j for j in range(n + 1) if reasons[i0 + j] is not None]
+            errors.append(reasons[i0] if bad and bad[0] == 0 else None)
+            num_draft.append(min(n, bad[0] - 1) if bad else n)
+            heads.append(at[i0])
+            i0 += n + 1
+        head = rows_of(rows.tensors, heads)
+        result = self.backend.verify_drafts(
+            draft_tokens,
+            draft_probs,
+            target,
+            torch.tensor(num_draft, dtype=torch.int64, device=probs.device),
+            temperature=head["temperature"],
+            seed=head["seed"],
+            step=head["step"],
+        )
+        emitted = [
+            [] if errors[i] else result.tokens[i, : int(result.num_accepted[i]) + 1].tolist()
+            for i in range(len(drafts))
+        ]
+        return emitted, errors
+
+    def logprobs(
+        self, rows: PassLogits, picked: list[int], tokens: Tensor, states: list[LogitsState]
+    ) -> list[TokenLogprobs | None]:
+        """Logprobs of `tokens` chosen at rows `picked`, for the rows whose request
+        asked (raw by default, LOGPROB-RAW-1)."""
+        result: list[TokenLogprobs | None] = [None] * len(picked)
+        for mode in ("raw", "processed"):
+            part = [
+                j
+                for j, state in enumerate(states)
+                if state.params.top_logprobs is not None and state.params.logprobs_mode == mode
+            ]
+            if not part:
+                continue
+            at = [picked[j] for j in part]
+            source = rows.processed(at)[0] if mode == "processed" else rows.logits[at]
+            n = max(states[j].params.top_logprobs or 0 for j in part)
+            lp = self.backend.compute_logprobs(source, tokens[part], n)
+            for row, j in enumerate(part):
+                top_n = states[j].params.top_logprobs or 0
+                top = zip(
+                    lp.top_token_ids[row, :top_n].tolist(),
+                    lp.top_logprobs[row, :top_n].tolist(),
+                    strict=True,
+                )
+                result[j] = TokenLogprobs(
+                    token_id=int(tokens[j]),
+                    logprob=float(lp.token_logprobs[row]),
+                    rank=int(lp.ranks[row]),
+                    top=list(top),
+                )
+        return result
+
+    def candidates(
+        self, rows: PassLogits, picked: list[int], n: int
+    ) -> list[list[tuple[int, float]] | None]:
+        """Top-n tokens after the filters at rows `picked`, with probabilities."""
+        if not n or not picked:
+            return [None] * len(picked)
+        processed, _ = rows.processed(picked)
+        n = min(n, processed.shape[1])
+        top = self.backend.compute_logprobs(processed, processed.argmax(dim=-1), n)
+        return [
+            [(t, math.exp(lp)) for t, lp in zip(ids, lps, strict=True) if lp > -math.inf]
+            for ids, lps in zip(top.top_token_ids.tolist(), top.top_logprobs.tolist(), strict=True)
+        ]
+
+    # -- a whole pass
+
+    def choose(
+        self, logits: Tensor, states: list[LogitsState], drafts: list[Draft], show_probs: int = 0
+    ) -> list[PassOutcome]:
+        """Every request's tokens from a pass's logits: request b (`states[b]`) owns one
+        row after its last token and one after each of `drafts[b]`; a request
+        without drafts samples one token, the others verify theirs. Then the
+        logprobs and, with `show_probs` > 0, the candidates of the tokens chosen."""
+        counts = [len(d.tokens) + 1 for d in drafts]
+        first = list(itertools.accumulate(counts, initial=0))
+        owners = [state for state, count in zip(states, counts, strict=True) for _ in range(count)]
+        outputs = [
+            output
+            for state, draft in zip(states, drafts, strict=True)
+            for output in state.row_outputs(draft.tokens)
+        ]
+        tensors = self.tensors(owners, outputs, logits.device)
+        # The rows whose processed logits something reads: sampled rows with drafts
+        # (verification), rows of processed logprobs, and every row for the candidates.
+        greedy = (tensors["temperature"] == 0).tolist()
+        drafted_row = [
+            bool(d.tokens) for d, count in zip(drafts, counts, strict=True) for _ in range(count)
+        ]
+        needs = [
+            row
+            for row, state in enumerate(owners)
+            if show_probs
+            or (drafted_row[row] and not greedy[row])
+            or (state.params.top_logprobs is not None and state.params.logprobs_mode == "processed")
+        ]
+        rows = PassLogits(self, logits, tensors, needs)
+
+        emitted: list[list[int]] = [[] for _ in states]
+        errors: list[str | None] = [None] * len(states)
+        plain = [b for b, d in enumerate(drafts) if not d.tokens]
+        if plain:
+            at = [first[b] for b in plain]
+            tokens, why = self.sample(logits[at], rows_of(tensors, at))
+            for j, b in enumerate(plain):
+                emitted[b], errors[b] = ([] if why[j] else [int(tokens[j])]), why[j]
+        drafted = [b for b, d in enumerate(drafts) if d.tokens]
+        if drafted:
+            at = [row for b in drafted for row in range(first[b], first[b + 1])]
+            tokens_of, why = self.verify([drafts[b] for b in drafted], rows, at)
+            for i, b in enumerate(drafted):
+                emitted[b], errors[b] = tokens_of[i], why[i]
+
+        picked = [first[b] + i for b, tokens in enumerate(emitted) for i in range(len(tokens))]
+        chosen = torch.tensor(
+            [t for tokens in emitted for t in tokens], dtype=torch.int64, device=logits.device
+        )
+        logprobs = self.logprobs(rows, picked, chosen, [owners[row] for row in picked])
+        candidates = self.candidates(rows, picked, show_probs)
+        ends = list(itertools.accumulate(len(tokens) for tokens in emitted))
+        return [
+            PassOutcome(
+                tokens,
+                logprobs[end - len(tokens) : end],
+                candidates[end - len(tokens) : end],
+                len(draft.tokens),
+                error,
+            )
+            for tokens, end, draft, error in zip(emitted, ends, drafts, errors, strict=True)
+        ]
+
+
+def invalid_reasons(logits: Tensor, bad_rows: list[int]) -> list[str | None]:
+    """Why each of `bad_rows` is invalid (None for the other rows): the model's
+    logits, or the parameters that turned valid logits into invalid ones."""
+    reasons: list[str | None] = [None] * len(logits)
+    if not bad_rows:
+        return reasons
+    raw_bad = sampling.invalid_rows(logits[bad_rows].float()).tolist()
+    for row, model_fault in zip(bad_rows, raw_bad, strict=True):
+        reasons[row] = MODEL_INVALID if model_fault else PROCESSORS_INVALID
+    return reasons
