@@ -106,6 +106,35 @@ def test_no_import_cycles_between_modules(package):
         visit(module, (module,))
 
 
+# The engine's layers (docs/engine.md, "How the engine is built"): what each module of
+# reference/ may import from reference/. Control flows down only: the scheduler sees
+# requests and the block manager, never the runner or the drafters; the sampler is
+# called by the runner and the drafters, and calls nothing above it.
+ENGINE_LAYERS = {
+    "logits_state": set(),
+    "request": {"block_allocator", "logits_state"},
+    "block_manager": {"block_allocator", "request"},
+    "sampler": {"backend", "logits_state", "request"},
+    "runner": {"backend", "cache", "request", "sampler"},
+    "drafters": {"backend", "cache", "request", "sampler"},
+    "scheduler": {"block_manager", "request"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(ENGINE_LAYERS))
+def test_engine_modules_import_only_the_layers_below(module):
+    tree = ast.parse((ROOT / "reference" / f"{module}.py").read_text())
+    imported = {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+    }
+    assert imported <= ENGINE_LAYERS[module], (
+        f"reference/{module}.py imports {sorted(imported - ENGINE_LAYERS[module])}, "
+        f"above its layer (it may import {sorted(ENGINE_LAYERS[module])})"
+    )
+
+
 def test_project_packages_are_imported_through_the_namespace():
     """Installed, the packages exist only as decodespec.spec, decodespec.kernels and
     decodespec.reference: a bare `import spec` works in a checkout (the repository
