@@ -539,3 +539,29 @@ def test_triton_backend_speculates_with_the_spec_backends_tokens(drafter, monkey
     monkeypatch.setattr(kernels, "verify_drafts", counted)
     assert run("triton") == spec_tokens
     assert calls, "the kernel verified the drafts"
+
+
+def test_a_pass_processes_its_logits_once():
+    """Verification of sampled drafts, processed logprobs and the candidates all read
+    the processed logits (steps 1-8): one `process_logits` call per pass serves them."""
+    weights = random_weights(small_config(), seed=4)
+    engine = Engine(weights, ByteTokenizer(), speculate="ngram", num_draft=3, show_probs=3)
+    backend = engine.backend
+    calls: list[int] = []
+
+    def counting(logits, **tensors):
+        calls.append(len(logits))
+        return backend.process_logits(logits, **tensors)
+
+    engine.sampler.backend = dataclasses.replace(backend, process_logits=counting)
+    params = SamplingParams(
+        temperature=0.8, seed=3, max_tokens=12, top_logprobs=2, logprobs_mode="processed"
+    )
+    request_id = engine.add_request([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], params)
+    per_pass = []
+    while engine.has_unfinished():
+        before = len(calls)
+        engine.step()
+        per_pass.append(len(calls) - before)
+    assert engine.requests[request_id].drafted > 0, "precondition: the drafter proposed tokens"
+    assert per_pass == [1] * len(per_pass)
