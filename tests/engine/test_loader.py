@@ -25,7 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decodespec.reference.loader import load_weights, unpermute_rope_rows
+from decodespec.reference.gguf_checkpoint import unpermute_rope_rows
+from decodespec.reference.loader import load_weights
 from decodespec.spec.forward import ModelWeights, forward_naive
 from tests.engine import checkpoints
 

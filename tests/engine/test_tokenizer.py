@@ -1,4 +1,4 @@
-"""The reference engine's tokenizer (reference/tokenizer.py) and the bundled model file.
+"""The reference engine's tokenizer (reference/tokenizer*.py) and the bundled model file.
 
 The GGUF tokenizer of the bundled SmolLM2-135M-Instruct is checked against
 transformers' own GGUF conversion (`AutoTokenizer.from_pretrained(dir,
@@ -38,14 +38,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from decodespec.reference import model_files
+from decodespec.reference.chat_template import ChatTemplateError
 from decodespec.reference.model_files import bundled_model_path
-from decodespec.reference.tokenizer import (
-    BYTE_TO_UNICODE,
-    GGUF_PRE_TYPES,
-    ChatTemplateError,
-    Tokenizer,
-    byte_level_bytes,
-)
+from decodespec.reference.tokenizer import Tokenizer
+from decodespec.reference.tokenizer_gguf import GGUF_PRE_TYPES
+from decodespec.reference.tokenizer_parts import BYTE_TO_UNICODE, byte_level_bytes
 from decodespec.spec.stop import IncrementalDetokenizer
 
 ORIGINAL_PRE_TOKENIZER = {  # SmolLM2's tokenizer.json on the Hugging Face hub

@@ -1,0 +1,176 @@
+"""GGUF files as Llama-family checkpoints: their config and tensors, as the decoder has them.
+
+`read_gguf_checkpoint` turns an open GGUF file (`gguf_file.GGUFFile`) into
+what `loader` assembles: a `ModelConfig` from the `{arch}.*` metadata, and
+every tensor dequantized to float32, un-permuted where llama.cpp's converter
+permuted it (`llama` Q and K, FWD-ROPE-1), and renamed from llama.cpp's names
+to Hugging Face's through `gguf.TensorNameMap`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from torch import Tensor
+
+from decodespec.spec.forward import ModelConfig
+
+from .gguf_file import GGUFFile, dequantize_tensors, gguf_tensor_names
+from .hf_checkpoint import EMBEDDING, OUTPUT, layer_tensor_name, tensor_names
+
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+
+class GGUFCheckpoint(NamedTuple):
+    """A GGUF file's model, read (see `read_gguf_checkpoint`)."""
+
+    config: ModelConfig
+    tensors: dict[str, Tensor]  # float32, by Hugging Face name
+    spelling: dict[str, str]  # Hugging Face name -> the file's own name, for messages
+
+
+def read_gguf_checkpoint(file: GGUFFile, *, progress: Callable[[str], None]) -> GGUFCheckpoint:
+    """The config and the tensors of a GGUF file with `general.architecture` llama or qwen2.
+
+    Args:
+        file: the open file.
+        progress: called with a message every few tensors.
+
+    Raises:
+        ValueError: another architecture, llama.cpp's `rope_freqs` tensor, a
+            missing or invalid key (see `config_from_gguf`), or a tensor that
+            cannot be dequantized.
+    """
+    architecture = file.string("general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{file.source}: unsupported architecture {architecture!r} "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    if "rope_freqs.weight" in file.tensor_names:
+        raise ValueError(
+            f"{file.source}: tensor rope_freqs.weight (llama.cpp's per-frequency RoPE factors, "
+            f"Llama 3.1+ scaling) is not supported; load the Hugging Face checkpoint instead, "
+            f"whose config.json carries the llama3 rope scaling"
+        )
+    config = config_from_gguf(file, architecture)
+    spelling = gguf_tensor_names(architecture, config.num_layers, tensor_names(config.num_layers))
+    hf_name = {gguf_name: name for name, gguf_name in spelling.items()}
+    tensors = {
+        hf_name.get(name, name): tensor
+        for name, tensor in dequantize_tensors(file, progress=progress).items()
+    }
+    if architecture == "llama":
+        unpermute_llama_qk(tensors, config)
+    return GGUFCheckpoint(config, tensors, spelling)
+
+
+def config_from_gguf(file: GGUFFile, architecture: str) -> ModelConfig:
+    """Translate GGUF metadata (`{arch}.block_count`, ...) into a `ModelConfig`.
+
+    The head dimension is `{arch}.attention.key_length` if present, else
+    embedding_length / head_count; `{arch}.rope.dimension_count` must equal it.
+    The vocabulary size is `{arch}.vocab_size`, else the length of
+    `tokenizer.ggml.tokens`, else the embedding's row count. Attention biases
+    are on when layer 0 has a Q bias tensor (`blk.0.attn_q.bias`); embeddings
+    are tied when there is no output projection (`output.weight`).
+
+    Raises:
+        ValueError: a missing or invalid key, partial rotary embeddings, or a
+            RoPE scaling type the decoder does not have.
+    """
+    source = file.source
+    prefix = architecture + "."
+    hidden = file.integer(prefix + "embedding_length")
+    heads = file.integer(prefix + "attention.head_count")
+    kv_heads = file.integer(prefix + "attention.head_count_kv", heads)
+    head_dim = file.integer(prefix + "attention.key_length", hidden // heads if heads else 0)
+    value_dim = file.integer(prefix + "attention.value_length", head_dim)
+    rope_dim = file.integer(prefix + "rope.dimension_count", head_dim)
+    if value_dim != head_dim:
+        raise ValueError(f"{source}: key length {head_dim} != value length {value_dim}")
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"{source}: partial rotary embeddings (rope.dimension_count {rope_dim}, "
+            f"head_dim {head_dim}) are not supported"
+        )
+    scaling_type = file.string(prefix + "rope.scaling.type", "none")
+    if scaling_type != "none":
+        raise ValueError(f"{source}: unsupported rope scaling type {scaling_type!r}")
+    names = file.tensor_names
+    spelling = gguf_tensor_names(
+        architecture, 1, (EMBEDDING, OUTPUT, layer_tensor_name(0, "q_bias"))
+    )
+    fields = dict(
+        vocab_size=_gguf_vocab_size(file, prefix, spelling[EMBEDDING]),
+        hidden_size=hidden,
+        intermediate_size=file.integer(prefix + "feed_forward_length"),
+        num_layers=file.integer(prefix + "block_count"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_context=file.integer(prefix + "context_length"),
+        rms_norm_eps=file.number(prefix + "attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=file.number(prefix + "rope.freq_base", 10_000.0),
+        tie_word_embeddings=spelling[OUTPUT] not in names,
+        attention_bias=spelling[layer_tensor_name(0, "q_bias")] in names,
+    )
+    try:
+        return ModelConfig(**fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{source}: invalid model configuration: {error}") from error
+
+
+def _gguf_vocab_size(file: GGUFFile, prefix: str, embedding: str) -> int:
+    if file.has(prefix + "vocab_size"):
+        return file.integer(prefix + "vocab_size")
+    tokens = file.array_length("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return tokens
+    for tensor in file.reader.tensors:
+        if tensor.name == embedding:
+            return int(tensor.shape[-1])  # GGUF lists dimensions innermost first
+    raise ValueError(f"{file.source}: cannot tell the vocabulary size (no {prefix}vocab_size)")
+
+
+def unpermute_rope_rows(weight: Tensor, num_heads: int) -> Tensor:
+    """Undo llama.cpp's interleaving of a Q or K projection's rows (or bias).
+
+    llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`)
+    maps the half-split layout to its interleaved one with
+    `w.reshape(heads, 2, d/2, ...).swapaxes(1, 2)`: within each head, row
+    `i` of the first half and row `i` of the second half become rows `2i`
+    and `2i + 1`. This is the inverse, as in transformers' own GGUF loader
+    (`LlamaTensorProcessor._reverse_permute_weights`).
+
+    Args:
+        weight: `[heads * d, ...]` rows in llama.cpp's order.
+        num_heads: heads of this projection (KV heads for K).
+
+    Returns:
+        The same tensor with rows in the half-split order of FWD-ROPE-1.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"{rows} rows cannot be split into {num_heads} heads of even size")
+    half = rows // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def unpermute_llama_qk(tensors: dict[str, Tensor], config: ModelConfig) -> None:
+    """Un-permute the Q and K projections (and biases) of every layer, in place.
+
+    Args:
+        tensors: the tensors by Hugging Face name.
+        config: the model's config (the head counts).
+    """
+    heads = {"q": config.num_heads, "k": config.num_kv_heads}
+    for index in range(config.num_layers):
+        for field in ("q_proj", "q_bias", "k_proj", "k_bias"):
+            name = layer_tensor_name(index, field)
+            tensor = tensors.get(name)
+            count = heads[field[0]]
+            if tensor is not None and tensor.shape[0] % (2 * count) == 0:
+                tensors[name] = unpermute_rope_rows(tensor, count)  # else _assemble reports it
