@@ -29,7 +29,8 @@ from decodespec.reference.engine import Engine
 from decodespec.reference.request import Request
 from decodespec.reference.speculation import MAX_DRAFT_PAUSE
 from decodespec.spec.forward import forward_naive
-from decodespec.spec.sampling import SamplingParams, process_logits, sampling_tensors
+from decodespec.spec.params import SamplingParams, sampling_tensors
+from decodespec.spec.sampling import process_logits
 from decodespec.spec.softmax import softmax
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
@@ -387,8 +388,8 @@ def exact_distributions(weights, params: SamplingParams) -> dict[tuple[int, ...]
                 prompt_token_ids=[DISTRIBUTION_PROMPT],
                 output_token_ids=[list(prefix)],
             )
-            tensors.pop("seed")
-            result[prefix] = softmax(process_logits(logits.double(), **tensors))[0]
+            processed = process_logits(logits.double(), **tensors.process_logits_args)
+            result[prefix] = softmax(processed)[0]
     return result
 
 
