@@ -22,13 +22,8 @@ from pathlib import Path
 import torch
 
 from decodespec.spec.forward import ModelWeights
-from decodespec.spec.sampling import (
-    MAX_TOP_LOGPROBS,
-    SamplingParams,
-    process_logits,
-    sample,
-    sampling_tensors,
-)
+from decodespec.spec.params import MAX_TOP_LOGPROBS, SamplingParams, sampling_tensors
+from decodespec.spec.sampling import process_logits, sample
 from decodespec.spec.softmax import softmax
 
 from . import loader
@@ -341,9 +336,7 @@ def demo(params: SamplingParams, draws: int) -> str:
         [params], vocab_size=vocab, prompt_token_ids=[[0]], output_token_ids=[[]]
     )
     raw = softmax(logits)[0]
-    filtered = softmax(process_logits(logits, **{k: v for k, v in tensors.items() if k != "seed"}))[
-        0
-    ]
+    filtered = softmax(process_logits(logits, **tensors.process_logits_args))[0]
     lines = [
         f"temperature={params.temperature} top_k={params.top_k} top_p={params.top_p} "
         f"min_p={params.min_p} seed={params.seed}",

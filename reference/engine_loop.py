@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 
 from .engine import Engine
 from .request import RequestOutput, RequestStepOutput

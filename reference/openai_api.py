@@ -29,9 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from decodespec.spec import sampling
 from decodespec.spec.generate import TokenLogprobs
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams, validate_request
 
 from .request import RequestOutput, RequestStepOutput
 from .tokenizer import Tokenizer
@@ -182,9 +181,7 @@ def parse_request(
             top_logprobs=top_n,
             **{name: body[name] for name in EXTRA_FIELDS if name in body},
         )
-        sampling.validate_request(
-            params, prompt_ids, vocab_size=vocab_size, max_context=max_context
-        )
+        validate_request(params, prompt_ids, vocab_size=vocab_size, max_context=max_context)
     except (TypeError, ValueError) as error:
         raise refusal(error, names) from None
     num_draft = body.get("num_draft")

@@ -83,7 +83,7 @@ from . import sampling
 from .append import append_kv
 from .attention import paged_attention
 from .forward import ModelWeights, PagedBatch, forward_cached
-from .sampling import SamplingParams
+from .params import SamplingParams, SamplingTensors, sampling_tensors, validate_request
 from .stop import FinishReason, StopChecker
 
 KVCache = list[tuple[Tensor, Tensor]]
@@ -169,7 +169,7 @@ def token_logprobs(
     logits: Tensor,
     token_id: int,
     params: SamplingParams,
-    tensors: dict[str, Tensor],
+    tensors: SamplingTensors,
     process_logits: Callable[..., Tensor] = sampling.process_logits,
     compute_logprobs: Callable[..., sampling.Logprobs] = sampling.compute_logprobs,
 ) -> TokenLogprobs | None:
@@ -178,7 +178,7 @@ def token_logprobs(
         return None
     source = logits[None]
     if params.logprobs_mode == "processed":
-        source = process_logits(source, **{k: v for k, v in tensors.items() if k != "seed"})
+        source = process_logits(source, **tensors.process_logits_args)
     chosen = torch.tensor([token_id], dtype=torch.int64, device=logits.device)
     lp = compute_logprobs(source, chosen, params.top_logprobs)
     top = zip(lp.top_token_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True)
@@ -227,9 +227,7 @@ def generate(
     """
     config = weights.config
     prompt = [operator.index(t) for t in prompt_ids]
-    sampling.validate_request(
-        params, prompt, vocab_size=config.vocab_size, max_context=config.max_context
-    )
+    validate_request(params, prompt, vocab_size=config.vocab_size, max_context=config.max_context)
     if params.temperature > 0 and params.seed is None:
         raise ValueError("temperature > 0 needs a seed: resolve the seed first (resolve_seed)")
     if block_size < 1:
@@ -251,7 +249,7 @@ def generate(
     logits = prefill(weights, kv_cache, prompt, attention=attention, append=append)
     output: list[int] = []
     while True:
-        tensors = sampling.sampling_tensors(
+        tensors = sampling_tensors(
             [params],
             vocab_size=config.vocab_size,
             prompt_token_ids=[prompt],

@@ -31,6 +31,8 @@ SPEC_MODULES = tuple(
         "softmax",
         "logits",
         "sampling",
+        "rng",
+        "params",
         "stop",
         "attention",
         "append",
@@ -173,7 +175,7 @@ OPERATIONS: dict[str, Operation] = {
         ),
         _op(
             "uniform",
-            "sampling",
+            "rng",
             ("SAMPLE-RNG-1", "SAMPLE-RNG-2", "SAMPLE-RNG-3", "SAMPLE-VALID-3"),
             EXACT,
         ),

@@ -69,7 +69,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .sampling import STREAM_TOKEN_CHOICE, check_range, greedy, uniform
+from .params import check_range
+from .rng import STREAM_TOKEN_CHOICE, uniform
+from .sampling import greedy
 from .softmax import check_tensor, check_vocabulary, compute_dtype
 
 STREAM_ACCEPT = 1

@@ -86,7 +86,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 

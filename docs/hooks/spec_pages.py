@@ -1,11 +1,13 @@
 """MkDocs hook: the site's pages that are generated from the project's sources.
 
-- `stages/<stage>.md`, one page per spec module: its docstring as prose, each
-  numbered clause as a block anchored at its id in lower case (so
+- `stages/<stage>.md`, one page per stage: its spec module's docstring as
+  prose, each numbered clause as a block anchored at its id in lower case (so
   `stages/sampling.md#sample-topk-1` links to SAMPLE-TOPK-1), the tests that
   mark the clause, the engines it differs from, and the reference code read
-  from the module with `inspect.getsource`. The pages are virtual: nothing is
-  written to docs/.
+  from the module with `inspect.getsource`. A stage whose definition spans
+  several modules (sampling: the stage, its random numbers, its parameters)
+  shows them in that order, the stage's own definition first. The pages are
+  virtual: nothing is written to docs/.
 - `kernels.md`: the marker `<!-- kernels-api -->` becomes the public API of
   `kernels/`, read from the docstrings of `decodespec.kernels.__all__` with `ast` (the
   kernels are never imported, so the build needs neither a GPU nor Triton).
@@ -52,11 +54,18 @@ ENGINES = ("Hugging Face", "PyTorch", "llama.cpp", "FlashInfer", "vLLM")
 
 @dataclass(frozen=True)
 class Stage:
-    """A page of the spec: its file name, title and spec module."""
+    """A page of the spec: its file name, title and spec module, and the modules
+    that complete its definition, each under its own heading (title, module)."""
 
     name: str
     title: str
     module: str
+    parts: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Every spec module the page shows, in the page's order."""
+        return (self.module, *(module for _, module in self.parts))
 
 
 STAGES = (
@@ -65,7 +74,15 @@ STAGES = (
     Stage("attention", "Attention", "decodespec.spec.attention"),
     Stage("logits", "Logits", "decodespec.spec.logits"),
     Stage("softmax", "Softmax", "decodespec.spec.softmax"),
-    Stage("sampling", "Sampling", "decodespec.spec.sampling"),
+    Stage(
+        "sampling",
+        "Sampling",
+        "decodespec.spec.sampling",
+        parts=(
+            ("Random numbers", "decodespec.spec.rng"),
+            ("Parameters", "decodespec.spec.params"),
+        ),
+    ),
     Stage("append", "Append", "decodespec.spec.append"),
     Stage("stop", "Stop", "decodespec.spec.stop"),
     Stage("speculative", "Speculative verification", "decodespec.spec.speculative"),
@@ -203,7 +220,12 @@ def peer_notes(stage: Stage | None = None) -> list[peers.Note]:
     """
     notes = []
     for each in STAGES if stage is None else (stage,):
-        for clause in registry.clauses_of(importlib.import_module(each.module)):
+        clauses = [
+            clause
+            for module in each.modules
+            for clause in registry.clauses_of(importlib.import_module(module))
+        ]
+        for clause in clauses:
             _, found, rest = clause.text.partition("Differs from")
             for engine in ENGINES if found else ():
                 if engine in rest:
@@ -349,30 +371,48 @@ def _public_definitions(module: ModuleType) -> list[tuple[str, object]]:
     return sorted(own, key=lambda item: inspect.getsourcelines(item[1])[1])
 
 
-def _reference_code(module: ModuleType) -> str:
-    """Every public definition's source, in python code blocks."""
+def _reference_code(module: ModuleType, level: str = "###") -> str:
+    """Every public definition's source, in python code blocks under `level` headings."""
     sections = []
     for name, value in _public_definitions(module):
         source = inspect.getsource(value).rstrip()
-        sections.append(f"### `{name}`\n\n```python\n{source}\n```\n")
+        sections.append(f"{level} `{name}`\n\n```python\n{source}\n```\n")
     return "\n".join(sections)
 
 
+def _source_path(module_name: str) -> str:
+    """`decodespec.spec.rng` -> `spec/rng.py`, the file in the repository."""
+    return module_name.removeprefix("decodespec.").replace(".", "/") + ".py"
+
+
+def _summary(module: ModuleType) -> str:
+    return inspect.cleandoc(module.__doc__ or "").splitlines()[0]
+
+
 def stage_page(stage: Stage, tests: dict[str, list[str]], docs_dir: Path) -> str:
-    """The markdown of one stage's page."""
+    """The markdown of one stage's page: its module's prose, then each part's."""
     module = importlib.import_module(stage.module)
-    summary = inspect.cleandoc(module.__doc__ or "").splitlines()[0]
-    parts = [f"# {stage.title}\n", f"{summary} Source: `{stage.module.replace('.', '/')}.py`.\n"]
+    sources = ", ".join(f"`{_source_path(name)}`" for name in stage.modules)
+    parts = [f"# {stage.title}\n", f"{_summary(module)} Source: {sources}.\n"]
     if stage.name == "sampling" and (docs_dir / SAMPLING_PICTURES).exists():
         parts.append(f"The filters in pictures: [sampling pictures](../{SAMPLING_PICTURES}).\n")
+    parts.append(_prose_with_clauses(module, tests))
+    for title, name in stage.parts:
+        part = importlib.import_module(name)
+        parts += [f"\n## {title}\n", f"{_summary(part)} Source: `{_source_path(name)}`.\n"]
+        parts.append(_prose_with_clauses(part, tests))
     parts += [
-        _prose_with_clauses(module, tests),
         "\n## Differences from other engines\n",
         _differences_admonition(stage, peers.load() if peers.MATRIX.exists() else None),
         "\n## Reference code\n",
-        "Read from the module when the site is built: this *is* the definition.\n",
-        _reference_code(module),
+        f"Read from the module{'s' if stage.parts else ''} when the site is built: "
+        "this *is* the definition.\n",
     ]
+    if not stage.parts:
+        parts.append(_reference_code(module))
+    for name in stage.modules if stage.parts else ():
+        parts.append(f"### `{_source_path(name)}`\n")
+        parts.append(_reference_code(importlib.import_module(name), level="####"))
     return "\n".join(parts)
 
 
@@ -501,7 +541,7 @@ def conformance_matrix(report_path: Path = REPORT) -> str:
     impl = report["implementation"]
     platform = report["platform"]
     outcomes = {t["nodeid"]: t["outcome"] for c in report["clauses"].values() for t in c["tests"]}
-    stage_of = {stage.module: stage.name for stage in STAGES}
+    stage_of = {module: stage.name for stage in STAGES for module in stage.modules}
     header = [
         f"Implementation **{impl['name']}** {impl['version']}, run on {report['date']} "
         f"(Python {platform['python']}, torch {platform['torch']}, {platform['device']}); "

@@ -32,7 +32,8 @@ from decodespec.reference.engine import Engine
 from decodespec.reference.loader import load_model
 from decodespec.reference.model_files import bundled_model_path
 from decodespec.spec.forward import ModelWeights, forward_naive
-from decodespec.spec.sampling import SamplingParams, process_logits
+from decodespec.spec.params import SamplingParams
+from decodespec.spec.sampling import process_logits
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 COMMAND = "make docs-data"

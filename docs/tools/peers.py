@@ -31,9 +31,14 @@ def load(path: Path = MATRIX) -> dict:
     return json.loads(path.read_text())
 
 
+# Spec modules shown on another module's stage page (docs/hooks/spec_pages.py, STAGES).
+PAGE_OF_MODULE = {"rng": "sampling", "params": "sampling"}
+
+
 def clause_link(clause_id: str, module: str) -> str:
     """The clause's anchor on its stage page, relative to a page at the site's root."""
-    return f"stages/{module.rsplit('.', 1)[-1]}.md#{clause_id.lower()}"
+    name = module.rsplit(".", 1)[-1]
+    return f"stages/{PAGE_OF_MODULE.get(name, name)}.md#{clause_id.lower()}"
 
 
 def _cell(column: dict, clause_id: str) -> tuple[str, str | None]:

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # before the kernels are defined (smoke only)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from decodespec.reference.engine import Engine
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.benchmarks.gpu import device_report_header, require_cuda, write_json
 from tests.benchmarks.speculative import PARAGRAPH, load
 

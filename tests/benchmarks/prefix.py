@@ -45,7 +45,7 @@ from decodespec.reference.backend import SERVE_BACKEND
 from decodespec.reference.engine import Engine
 from decodespec.reference.request import RequestOutput
 from decodespec.spec.forward import ModelWeights
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.benchmarks.gpu import print_targets, write_json
 from tests.benchmarks.speculative import PARAGRAPH, load
 from tests.benchmarks.test_cpu_engine import cpu_report_header

@@ -50,7 +50,7 @@ from decodespec.reference.cli import prompt_ids
 from decodespec.reference.engine import Engine
 from decodespec.reference.request import RequestOutput
 from decodespec.spec.forward import ModelWeights
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.benchmarks.gpu import fmt, print_targets, write_json
 from tests.benchmarks.test_cpu_engine import cpu_report_header
 

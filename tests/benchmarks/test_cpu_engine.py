@@ -30,7 +30,7 @@ import torch
 from decodespec.reference.engine import Engine
 from decodespec.reference.loader import load_model
 from decodespec.reference.model_files import bundled_model_path
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("DECODESPEC_BENCH_OUT", ROOT / "results" / "cpu-engine.json"))

@@ -18,7 +18,8 @@ import torch
 from scipy import stats
 
 from decodespec.spec import registry
-from decodespec.spec.sampling import greedy, uniform
+from decodespec.spec.rng import uniform
+from decodespec.spec.sampling import greedy
 from tests.strategies import DEVICE, LARGE
 
 VERIFY = registry.OPERATIONS["verify_drafts"]

@@ -15,19 +15,24 @@ import pytest
 
 from decodespec import kernels
 from decodespec.spec import registry
+from docs.tools import peers
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = {
-    "generate": "decodespec.spec.generate",
-    "forward": "decodespec.spec.forward",
-    "attention": "decodespec.spec.attention",
-    "logits": "decodespec.spec.logits",
-    "softmax": "decodespec.spec.softmax",
-    "sampling": "decodespec.spec.sampling",
-    "append": "decodespec.spec.append",
-    "stop": "decodespec.spec.stop",
-    "speculative": "decodespec.spec.speculative",
-}
+# (stage page, spec module it shows): the sampling page shows the stage, its random
+# numbers and its parameters.
+STAGES = [
+    ("generate", "decodespec.spec.generate"),
+    ("forward", "decodespec.spec.forward"),
+    ("attention", "decodespec.spec.attention"),
+    ("logits", "decodespec.spec.logits"),
+    ("softmax", "decodespec.spec.softmax"),
+    ("sampling", "decodespec.spec.sampling"),
+    ("sampling", "decodespec.spec.rng"),
+    ("sampling", "decodespec.spec.params"),
+    ("append", "decodespec.spec.append"),
+    ("stop", "decodespec.spec.stop"),
+    ("speculative", "decodespec.spec.speculative"),
+]
 
 
 class _TextOf(HTMLParser):
@@ -59,11 +64,26 @@ def clause_block(page: str, clause_id: str) -> str:
 
 
 def test_every_spec_module_has_a_stage_page():
-    assert set(STAGES.values()) == set(registry.SPEC_MODULES)
+    assert {module for _, module in STAGES} == set(registry.SPEC_MODULES)
+
+
+@pytest.mark.parametrize(("stage", "module"), STAGES)
+def test_the_peer_matrix_links_each_clause_to_its_stage_page(stage, module):
+    assert peers.clause_link("X-1", module) == f"stages/{stage}.md#x-1"
+
+
+def test_the_sampling_page_shows_the_stage_before_its_random_numbers_and_parameters(
+    built_site,
+):
+    text = page_text(built_site, "stages/sampling")
+    order = [text.index(clause) for clause in ("SAMPLE-VALID-1", "SAMPLE-RNG-1", "PARAM-RANGE-1")]
+    assert order == sorted(order)
+    code = [text.index(f"def {name}(") for name in ("sample", "uniform", "sampling_tensors")]
+    assert code == sorted(code)
 
 
 def test_strict_build_writes_every_page(built_site):
-    for page in ("engine", "kernels", "conformance", *(f"stages/{name}" for name in STAGES)):
+    for page in ("engine", "kernels", "conformance", *(f"stages/{name}" for name, _ in STAGES)):
         assert (built_site / page / "index.html").exists(), page
 
 
@@ -73,7 +93,7 @@ def test_the_site_loads_nothing_from_the_network(built_site):
         assert not remote.search(page.read_text()), f"{page} loads a remote script or style"
 
 
-@pytest.mark.parametrize(("stage", "module"), STAGES.items())
+@pytest.mark.parametrize(("stage", "module"), STAGES)
 def test_stage_page_states_every_clause_with_its_anchor_and_tests(built_site, stage, module):
     page = page_html(built_site, f"stages/{stage}")
     stated = [c for c in registry.clauses().values() if c.module == module]
@@ -87,7 +107,7 @@ def test_stage_page_states_every_clause_with_its_anchor_and_tests(built_site, st
         )
 
 
-@pytest.mark.parametrize(("stage", "module"), STAGES.items())
+@pytest.mark.parametrize(("stage", "module"), STAGES)
 def test_stage_page_shows_the_reference_code(built_site, stage, module):
     text = page_text(built_site, f"stages/{stage}")
     spec_module = importlib.import_module(module)

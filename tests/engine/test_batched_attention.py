@@ -19,7 +19,7 @@ from decodespec.reference.backend import SPEC_BACKEND, STAGE_OPERATIONS, get_bac
 from decodespec.reference.cli import _parser
 from decodespec.reference.engine import Engine
 from decodespec.spec.attention import paged_attention as spec_paged_attention
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 from tests.test_harness import run_suite
 

@@ -31,7 +31,7 @@ from decodespec.reference import runner as runner_module
 from decodespec.reference.engine import Engine
 from decodespec.reference.loader import load_model
 from decodespec.reference.model_files import bundled_model_path
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.engine.checkpoints import hf_model_from_gguf
 
 QUESTION = "What is the capital of France?"

@@ -14,7 +14,7 @@ from decodespec import kernels
 from decodespec.reference.backend import SPEC_BACKEND, STAGE_OPERATIONS, get_backend
 from decodespec.reference.engine import Engine
 from decodespec.spec.forward import PagedBatch, forward_cached, forward_naive
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.engine.toy import LLAMA3_SCALING, ByteTokenizer, random_weights, small_config
 
 # ---------------------------------------------------------------- cached = naive

@@ -31,7 +31,7 @@ from hypothesis.control import currently_in_test_context
 from decodespec.reference.engine import Engine
 from decodespec.spec import sampling
 from decodespec.spec.generate import StepOutput, generate
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
 # Largest change batching makes to a raw logit, with margin: the batch-variance of

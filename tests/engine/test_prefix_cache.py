@@ -25,7 +25,7 @@ from decodespec.reference.block_allocator import (
     block_hash,
 )
 from decodespec.reference.engine import Engine
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.engine.test_engine_vs_spec import (
     check_all,
     draft_model_of,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from decodespec.reference.engine import Engine
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.engine.test_engine_vs_spec import assert_request_matches_spec, run_workload
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 

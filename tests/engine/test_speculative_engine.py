@@ -27,7 +27,8 @@ from decodespec.reference.cache import PagedKVCache
 from decodespec.reference.engine import Engine
 from decodespec.reference.request import MAX_DRAFT_PAUSE, Draft, Request
 from decodespec.spec.forward import forward_naive
-from decodespec.spec.sampling import SamplingParams, process_logits, sampling_tensors
+from decodespec.spec.params import SamplingParams, sampling_tensors
+from decodespec.spec.sampling import process_logits
 from decodespec.spec.softmax import softmax
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
@@ -386,8 +387,8 @@ def exact_distributions(weights, params: SamplingParams) -> dict[tuple[int, ...]
                 prompt_token_ids=[DISTRIBUTION_PROMPT],
                 output_token_ids=[list(prefix)],
             )
-            tensors.pop("seed")
-            result[prefix] = softmax(process_logits(logits.double(), **tensors))[0]
+            processed = process_logits(logits.double(), **tensors.process_logits_args)
+            result[prefix] = softmax(processed)[0]
     return result
 
 

@@ -49,7 +49,7 @@ import torch
 from decodespec.reference import loader
 from decodespec.reference.engine import Engine
 from decodespec.reference.model_files import bundled_model_path
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",

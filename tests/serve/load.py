@@ -37,7 +37,7 @@ import torch
 from decodespec.reference.backend import SERVE_BACKEND
 from decodespec.reference.engine import Engine
 from decodespec.spec.forward import ModelWeights
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 
 MODEL = "smollm2"
 MAX_TOKENS = 32

@@ -14,7 +14,7 @@ import pytest
 
 from decodespec.reference.engine import Engine
 from decodespec.reference.engine_loop import EngineLoop
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
 PROMPTS = [[5, 6, 7], [40, 41], [100, 101, 102, 103], [9]]

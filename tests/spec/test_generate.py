@@ -28,7 +28,8 @@ from decodespec.spec.generate import (
     generate,
     prefill,
 )
-from decodespec.spec.sampling import InvalidLogitsError, SamplingParams
+from decodespec.spec.params import SamplingParams, SamplingTensors, resolve_seed, sampling_tensors
+from decodespec.spec.sampling import InvalidLogitsError
 from decodespec.spec.stop import StopChecker
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
@@ -79,8 +80,8 @@ def naive_logits(weights: ModelWeights, ids: list[int]) -> torch.Tensor:
     return forward_naive(weights, torch.tensor(ids), last_only=True)
 
 
-def step_tensors(params: SamplingParams, prompt: list[int], output: list[int]) -> dict:
-    return sampling.sampling_tensors(
+def step_tensors(params: SamplingParams, prompt: list[int], output: list[int]) -> SamplingTensors:
+    return sampling_tensors(
         [params],
         vocab_size=VOCAB,
         prompt_token_ids=[prompt],
@@ -492,7 +493,7 @@ def test_invalid_requests_raise_before_the_model_runs(prompt, params, message):
 @pytest.mark.clause("LOOP-REQUEST-1")
 def test_greedy_needs_no_seed_and_a_resolved_seed_replays():
     assert run(MODELS[0], [1, 2], SamplingParams(temperature=0.0, max_tokens=3))
-    params = sampling.resolve_seed(
+    params = resolve_seed(
         SamplingParams(temperature=1.0, max_tokens=6), torch.Generator().manual_seed(0)
     )
     assert run(MODELS[0], [1, 2], params) == run(MODELS[0], [1, 2], params)

@@ -12,18 +12,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodespec.spec.sampling import (
-    InvalidLogitsError,
+from decodespec.spec.params import (
     ParameterTypeError,
     SamplingParams,
+    SamplingTensors,
     check_range,
     check_token_ids,
     resolve_seed,
-    sample,
     sampling_tensors,
     seed_to_int64,
     validate_request,
 )
+from decodespec.spec.sampling import InvalidLogitsError, sample
 
 TINY = 2.0**-126  # the smallest normal float32
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -200,6 +200,28 @@ def test_sampling_tensors_build_the_dense_rows():
         [SamplingParams(seed=1)], vocab_size=6, prompt_token_ids=[[0]], output_token_ids=[[]]
     )
     assert set(plain) == {"temperature", "top_k", "top_p", "min_p", "seed", "step"}
+
+
+def test_sampling_tensors_select_rows_and_drop_the_seed_for_process_logits():
+    params = [SamplingParams(seed=3, repetition_penalty=1.5), SamplingParams(temperature=0)]
+    t = sampling_tensors(
+        params, vocab_size=5, prompt_token_ids=[[0], [1]], output_token_ids=[[2], []]
+    )
+    assert dict(**t).keys() == t.keys() and "logit_bias" not in t and len(t) == len(list(t))
+    picked = t.rows([1, 0])
+    assert isinstance(picked, SamplingTensors) and picked.keys() == t.keys()
+    for name, value in t.items():
+        assert torch.equal(picked[name], value[[1, 0]]), name
+    assert t.process_logits_args.keys() == t.keys() - {"seed"}
+    with pytest.raises(KeyError):
+        t["logit_bias"]
+
+
+def test_sampling_params_can_still_be_imported_from_the_sampling_module():
+    from decodespec.spec import sampling
+
+    assert sampling.SamplingParams is SamplingParams
+    assert sampling.sampling_tensors is sampling_tensors
 
 
 def test_sampling_tensors_need_resolved_seeds():

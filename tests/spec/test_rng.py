@@ -7,7 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodespec.spec.sampling import gumbel_noise, philox4x32, uniform
+from decodespec.spec.rng import philox4x32, uniform
+from decodespec.spec.sampling import gumbel_noise
 
 # Known-answer vectors of Philox4x32-10 from the Random123 distribution (kat_vectors).
 KAT = [

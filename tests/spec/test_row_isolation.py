@@ -15,7 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodespec.spec.sampling import SamplingParams, process_logits, sample, sampling_tensors
+from decodespec.spec.params import SamplingParams, SamplingTensors, sampling_tensors
+from decodespec.spec.sampling import process_logits, sample
 
 EOS = 0  # token 0 is EOS; min_tokens bans it and the request's stop ids (never all tokens)
 
@@ -79,7 +80,7 @@ def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list]:
     return logits, rows
 
 
-def tensors_of(rows: list, vocab: int) -> dict[str, torch.Tensor]:
+def tensors_of(rows: list, vocab: int) -> SamplingTensors:
     params, prompts, outputs = zip(*rows, strict=True)
     return sampling_tensors(
         params,
@@ -90,10 +91,6 @@ def tensors_of(rows: list, vocab: int) -> dict[str, torch.Tensor]:
     )
 
 
-def without_seed(tensors: dict) -> dict:
-    return {k: v for k, v in tensors.items() if k != "seed"}
-
-
 @pytest.mark.clause(
     "LOGITS-BIAS-1", "LOGITS-MINTOK-1", "LOGITS-REP-1", "LOGITS-FREQ-1", "LOGITS-PRES-1"
 )
@@ -102,12 +99,12 @@ def test_a_rows_processors_never_leak_into_another_row(case):
     logits, rows = case
     vocab = logits.shape[1]
     together = tensors_of(rows, vocab)
-    processed = process_logits(logits, **without_seed(together))
+    processed = process_logits(logits, **together.process_logits_args)
     tokens = sample(logits, **together)
     for row, request in enumerate(rows):
         alone = tensors_of([request], vocab)
         params = request[0]
-        expected = process_logits(logits[row : row + 1], **without_seed(alone))[0]
+        expected = process_logits(logits[row : row + 1], **alone.process_logits_args)[0]
         assert torch.equal(processed[row], expected), (
             f"row {row} ({params}) processed in its batch differs from the row alone:\n"
             f"{processed[row].tolist()}\n{expected.tolist()}"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from decodespec.spec.stop import (
     IncrementalDetokenizer,
     StopChecker,
