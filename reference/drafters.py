@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from decodespec.spec.forward import ModelWeights, forward_cached
-from decodespec.spec.sampling import greedy, uniform
+from decodespec.spec.rng import uniform
+from decodespec.spec.sampling import greedy
 
 from .backend import Backend
 from .cache import PagedKVCache

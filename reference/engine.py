@@ -26,9 +26,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from decodespec.spec import sampling
+from decodespec.spec import params as sampling_params
 from decodespec.spec.forward import ModelWeights
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from decodespec.spec.stop import StopChecker
 
 from .backend import check_backend_device, get_backend
@@ -100,7 +100,7 @@ class Engine:
         block_size = _check_int("block_size", block_size, 1)
         cache_tokens = _check_int("cache_tokens", cache_tokens, 1)
         self.show_probs = _check_int("show_probs", show_probs, 0)
-        if show_probs > sampling.MAX_TOP_LOGPROBS:
+        if show_probs > sampling_params.MAX_TOP_LOGPROBS:
             raise ValueError(f"show_probs must be in [0, 20], got {show_probs}")
         self.num_draft = _check_int("num_draft", num_draft, 1)
         self.generator = torch.Generator()
@@ -166,8 +166,10 @@ class Engine:
             TypeError, ValueError: invalid parameters or prompt for this model
                 (PARAM-REQUEST-1), or a request the whole cache could never hold.
         """
-        prompt_ids = sampling.check_token_ids("prompt_ids", prompt_ids, self.config.vocab_size)
-        sampling.validate_request(
+        prompt_ids = sampling_params.check_token_ids(
+            "prompt_ids", prompt_ids, self.config.vocab_size
+        )
+        sampling_params.validate_request(
             params,
             prompt_ids,
             vocab_size=self.config.vocab_size,
@@ -181,7 +183,9 @@ class Engine:
                 )
             if num_draft > self.num_draft:
                 raise ValueError(f"num_draft must be in [0, {self.num_draft}], got {num_draft}")
-        params = sampling.resolve_seed(params, self.generator)  # the one place seeds are drawn
+        params = sampling_params.resolve_seed(
+            params, self.generator
+        )  # the one place seeds are drawn
         request = Request(
             id=self._next_id,
             prompt_ids=prompt_ids,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 
 
 @dataclass

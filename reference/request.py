@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from decodespec.spec.generate import StepOutput, TokenLogprobs
-from decodespec.spec.sampling import SamplingParams
+from decodespec.spec.params import SamplingParams
 from decodespec.spec.stop import StopChecker, StreamDelta
 
 from .block_allocator import PrefixKey

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from decodespec.spec import sampling
 from decodespec.spec.generate import TokenLogprobs
+from decodespec.spec.params import SamplingTensors, sampling_tensors
 from decodespec.spec.softmax import softmax
 
 from .backend import Backend
@@ -36,26 +37,13 @@ PROCESSORS_INVALID = (
     "turned the model's valid logits invalid (NaN, +inf or all -inf)"
 )
 
-Tensors = dict[str, Tensor]
-
-
-def rows_of(tensors: Tensors, rows: Sequence[int]) -> Tensors:
-    """The sampling tensors of some rows."""
-    return {name: values[list(rows)] for name, values in tensors.items()}
-
-
-def processing_args(tensors: Tensors) -> Tensors:
-    """`process_logits`'s arguments: the sampling tensors but the seed, which only the
-    choice of a token uses."""
-    return {name: values for name, values in tensors.items() if name != "seed"}
-
 
 class PassLogits:
     """A pass's logits rows with their sampling tensors, and their processed logits
     computed once, on first use, for every row that any consumer will ask for."""
 
     def __init__(
-        self, sampler: Sampler, logits: Tensor, tensors: Tensors, needs: list[int]
+        self, sampler: Sampler, logits: Tensor, tensors: SamplingTensors, needs: list[int]
     ) -> None:
         self.sampler = sampler
         self.logits = logits
@@ -71,7 +59,7 @@ class PassLogits:
         if self._processed is None:
             needs = sorted(set(self._needs))
             self._block, self._reasons = self.sampler.process(
-                self.logits[needs], rows_of(self.tensors, needs)
+                self.logits[needs], self.tensors.rows(needs)
             )
             self._processed = {row: i for i, row in enumerate(needs)}
         index = [self._processed[row] for row in rows]
@@ -88,9 +76,9 @@ class Sampler:
 
     def tensors(
         self, states: Sequence[LogitsState], outputs: Sequence[list[int]], device: torch.device
-    ) -> Tensors:
+    ) -> SamplingTensors:
         """`sample`'s per-row tensors: row i has states[i]'s parameters after `outputs[i]`."""
-        return sampling.sampling_tensors(
+        return sampling_tensors(
             [state.params for state in states],
             vocab_size=self.vocab_size,
             prompt_token_ids=[state.prompt_ids for state in states],
@@ -101,17 +89,17 @@ class Sampler:
 
     # -- the stage functions, row by row, with invalid rows as reasons
 
-    def sample(self, logits: Tensor, tensors: Tensors) -> tuple[Tensor, list[str | None]]:
+    def sample(self, logits: Tensor, tensors: SamplingTensors) -> tuple[Tensor, list[str | None]]:
         """One token per row, and per row None or why its logits are invalid."""
         try:
             return self.backend.sample(logits, **tensors), [None] * len(logits)
         except self.backend.invalid_logits_error as error:
             return error.tokens.clamp(min=0), invalid_reasons(logits, error.rows)
 
-    def process(self, logits: Tensor, tensors: Tensors) -> tuple[Tensor, list[str | None]]:
+    def process(self, logits: Tensor, tensors: SamplingTensors) -> tuple[Tensor, list[str | None]]:
         """The logits each row's token is drawn from (steps 1-8), and per row None or
         why it is invalid (its processed row is then the raw row)."""
-        args = processing_args(tensors)
+        args = tensors.process_logits_args
         try:
             return self.backend.process_logits(logits, **args), [None] * len(logits)
         except self.backend.invalid_logits_error as error:
@@ -119,7 +107,8 @@ class Sampler:
             good = [i for i, reason in enumerate(reasons) if reason is None]
             processed = logits.to(torch.promote_types(logits.dtype, torch.float32)).clone()
             if good:
-                processed[good] = self.backend.process_logits(logits[good], **rows_of(args, good))
+                good_args = tensors.rows(good).process_logits_args
+                processed[good] = self.backend.process_logits(logits[good], **good_args)
             return processed, reasons
 
     def distributions(self, rows: PassLogits, at: list[int]) -> tuple[Tensor, list[str | None]]:
@@ -138,7 +127,7 @@ class Sampler:
         part = [j for j in range(len(at)) if greedy[j]]
         if part:
             picked = [at[j] for j in part]
-            tokens, why = self.sample(logits[picked], rows_of(rows.tensors, picked))
+            tokens, why = self.sample(logits[picked], rows.tensors.rows(picked))
             probs[part, tokens] = 1
             for j, reason in zip(part, why, strict=True):
                 reasons[j] = reason
@@ -193,7 +182,7 @@ class Sampler:
             num_draft.append(min(n, bad[0] - 1) if bad else n)
             heads.append(at[i0])
             i0 += n + 1
-        head = rows_of(rows.tensors, heads)
+        head = rows.tensors.rows(heads)
         result = self.backend.verify_drafts(
             draft_tokens,
             draft_probs,
@@ -294,7 +283,7 @@ class Sampler:
         plain = [b for b, d in enumerate(drafts) if not d.tokens]
         if plain:
             at = [first[b] for b in plain]
-            tokens, why = self.sample(logits[at], rows_of(tensors, at))
+            tokens, why = self.sample(logits[at], tensors.rows(at))
             for j, b in enumerate(plain):
                 emitted[b], errors[b] = ([] if why[j] else [int(tokens[j])]), why[j]
         drafted = [b for b, d in enumerate(drafts) if d.tokens]
