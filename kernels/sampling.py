@@ -461,7 +461,9 @@ def _logprobs_kernel(
 
 # ---------------------------------------------------------------- validation
 
-# name: (low, high, low_open, high_open), PARAM-RANGE-1
+# name: (low, high, low_open, high_open), PARAM-RANGE-1: a copy of the spec's table
+# (decodespec.spec.params.RANGES; kernels/ imports no spec), which tests/test_project.py
+# checks against it.
 _RANGES = {
     "temperature": (0, math.inf, False, True),
     "top_k": (0, math.inf, False, True),

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from decodespec.spec.forward import ModelWeights
-from decodespec.spec.params import MAX_TOP_LOGPROBS, SamplingParams, sampling_tensors
+from decodespec.spec.params import MAX_TOP_LOGPROBS, PARAMETERS, SamplingParams, sampling_tensors
 from decodespec.spec.sampling import process_logits, sample
 from decodespec.spec.softmax import softmax
 
@@ -36,7 +36,7 @@ from .tokenizer import Tokenizer
 # ---------------------------------------------------------------- loading
 
 
-def load_model(path: str | None) -> tuple[ModelWeights, Tokenizer]:
+def load_model_with_progress(path: str | None) -> tuple[ModelWeights, Tokenizer]:
     """The model at `path` (default: bundled), with progress on stderr."""
     model = Path(path) if path is not None else bundled_model_path()
     start = time.perf_counter()
@@ -73,21 +73,33 @@ def prompt_ids(
 # ---------------------------------------------------------------- generate
 
 
+def add_sampling_flags(
+    parser: argparse.ArgumentParser, names: Sequence[str] | None = None, **defaults: object
+) -> None:
+    """An option for each parameter that `SamplingParams` declares a flag for (those
+    of `names`, if given), with the field's default unless `defaults` gives another."""
+    for name, declared in PARAMETERS.items():
+        if declared.flag is None or (names is not None and name not in names):
+            continue
+        about = {"dest": name, "help": declared.help}
+        if declared.type is bool:
+            parser.add_argument(declared.flag, action="store_true", **about)
+        elif declared.type is tuple:  # a sequence: one value per use of the flag
+            parser.add_argument(
+                declared.flag, action="append", default=[], metavar=declared.metavar, **about
+            )
+        else:
+            default = defaults.get(name, SamplingParams.__dataclass_fields__[name].default)
+            parser.add_argument(
+                declared.flag, type=declared.type, default=default, metavar=declared.metavar,
+                **about,
+            )  # fmt: skip
+
+
 def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-        top_logprobs=args.logprobs,
-    )
+    """The parameters the command's sampling flags give."""
+    given = {name: getattr(args, name) for name in PARAMETERS if hasattr(args, name)}
+    return SamplingParams(**given)
 
 
 def _output_json(out: RequestOutput, show_logprobs: bool, speculating: bool) -> dict:
@@ -169,9 +181,9 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--show-probs must be in [0, {MAX_TOP_LOGPROBS}], got {args.show_probs}")
     if backend.kernel_ops and device.type == "cpu":
         print("no GPU: the Triton kernels run in the Triton interpreter (slow)", file=sys.stderr)
-    weights, tokenizer = load_model(args.model)
+    weights, tokenizer = load_model_with_progress(args.model)
     weights = weights.to(device)
-    draft_model = load_model(draft_path)[0] if draft_path is not None else None
+    draft_model = load_model_with_progress(draft_path)[0] if draft_path is not None else None
     engine = Engine(
         weights,
         tokenizer,
@@ -213,7 +225,7 @@ def _answer(
     assert request_id is not None
     out = engine.output(request_id)
     if args.json:
-        print(json.dumps(_output_json(out, args.logprobs is not None, speculating)), flush=True)
+        print(json.dumps(_output_json(out, args.top_logprobs is not None, speculating)), flush=True)
         if out.error:
             print(f"decodespec: error: {out.error}", file=sys.stderr)
         return out
@@ -271,8 +283,8 @@ def serve(args: argparse.Namespace) -> int:
     get_backend(args.backend)
     listening = _listen(args.host, args.port)  # a taken port fails now, not after loading
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    weights, tokenizer = load_model(args.model)
-    draft_model = load_model(draft_path)[0] if draft_path is not None else None
+    weights, tokenizer = load_model_with_progress(args.model)
+    draft_model = load_model_with_progress(draft_path)[0] if draft_path is not None else None
     engine = Engine(
         weights.to(device),
         tokenizer,
@@ -370,18 +382,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--system", metavar="TEXT", help="a system message before each prompt")
     gen.add_argument("--model", help="GGUF file or Hugging Face directory (default: bundled)")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, help="default: drawn, and reported")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--logprobs", type=int, metavar="N", help="logprobs with the top N (0-20)")
+    add_sampling_flags(gen, temperature=0.0, max_tokens=256)  # greedy by default
     gen.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -444,25 +445,14 @@ def _parser() -> argparse.ArgumentParser:
     srv.set_defaults(run=serve)
 
     show = commands.add_parser("demo", help="the sampling stage on example logits")
-    show.add_argument("--temperature", type=float, default=1.0)
-    show.add_argument("--top-k", type=int, default=0)
-    show.add_argument("--top-p", type=float, default=0.9)
-    show.add_argument("--min-p", type=float, default=0.0)
-    show.add_argument("--seed", type=int, default=0)
+    add_sampling_flags(show, ["temperature", "top_k", "top_p", "min_p", "seed"], top_p=0.9, seed=0)
     show.add_argument("--draws", type=int, default=12)
     show.set_defaults(run=_demo)
     return parser
 
 
 def _demo(args: argparse.Namespace) -> int:
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-    )
-    print(demo(params, args.draws))
+    print(demo(_params(args), args.draws))
     return 0
 
 

@@ -3,8 +3,10 @@
 `parse_request` turns the JSON body of `/v1/completions` or
 `/v1/chat/completions` into prompt ids and `SamplingParams`, or raises
 `APIError` naming the parameter at fault (HTTP 400, the OpenAI error object).
-Every check of a value's range is the spec's own (`SamplingParams`,
-`validate_request`); this module adds the JSON types and the API's names.
+The body fields of the sampling parameters are those `SamplingParams`
+declares (`api`), and every check of a value's range is the spec's own
+(`SamplingParams`, `validate_request`), whose errors name the field in
+`.param`; this module adds the JSON types and the API's names.
 `Responder` writes the response objects and the stream's chunks.
 
 Beyond the OpenAI fields, a request may carry decodespec's other parameters
@@ -22,38 +24,30 @@ and tokens per second, measured from the moment the request arrived).
 from __future__ import annotations
 
 import math
-import re
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from decodespec.spec.checks import ContextLengthError, ParameterError
 from decodespec.spec.generate import TokenLogprobs
-from decodespec.spec.params import SamplingParams, validate_request
+from decodespec.spec.params import PARAMETERS, SamplingParams, validate_request
 
 from .request import RequestOutput, RequestStepOutput
 from .tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat"]
 
+# The sampling parameters' body fields, as `SamplingParams` declares them: body name -> field.
+PARAMETER_FIELDS = {p.api: name for name, p in PARAMETERS.items() if p.api is not None}
 # Fields the endpoints take. OpenAI rejects a field it does not know; so does
 # this server, so that a typo ("top-p") is an error and not a silent default.
-COMMON_FIELDS = {
-    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
-    "seed", "frequency_penalty", "presence_penalty", "logit_bias", "n", "user",
-    # decodespec's (vLLM's) extra body fields
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "logprobs_mode", "num_draft",
-}  # fmt: skip
+COMMON_FIELDS = {"model", "stream", "stream_options", "n", "user", "num_draft", *PARAMETER_FIELDS}
 FIELDS = {
     "completion": COMMON_FIELDS | {"prompt", "logprobs", "echo"},
     "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
-EXTRA_FIELDS = (
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "logprobs_mode",
-)  # fmt: skip
 # The default length: OpenAI's legacy completions stop at 16 tokens; a chat
 # answer runs until it ends or fills the context.
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": None}
@@ -109,9 +103,19 @@ class APIRequest:
 
 
 def parse_request(
-    body: object, kind: Kind, *, tokenizer: Tokenizer, model: str, vocab_size: int, max_context: int
+    body: object,
+    kind: Kind,
+    *,
+    tokenizer: Tokenizer,
+    model: str,
+    vocab_size: int,
+    max_context: int,
+    max_draft: int = 0,
 ) -> APIRequest:
     """The body of a completions (`kind="completion"`) or chat request, checked.
+
+    `max_draft`: the most draft tokens a request may ask for (`num_draft`), the
+    engine's K when it has a drafter, else 0.
 
     Raises:
         APIError: 400 naming the parameter at fault; 404 for another model.
@@ -167,52 +171,53 @@ def parse_request(
 
     names = {"max_tokens": length_name, "top_logprobs": top_name}
     names["prompt_token_ids"] = "messages" if kind == "chat" else "prompt"
-    stop = body.get("stop", ())
+    given = {name: body[api] for api, name in PARAMETER_FIELDS.items() if api in body}
+    given["logit_bias"] = _logit_bias(given.get("logit_bias", {}))
+    given["max_tokens"] = body.get(length_name, DEFAULT_MAX_TOKENS[kind])
     try:
-        params = SamplingParams(
-            temperature=body.get("temperature", 1.0),
-            top_p=body.get("top_p", 1.0),
-            frequency_penalty=body.get("frequency_penalty", 0.0),
-            presence_penalty=body.get("presence_penalty", 0.0),
-            logit_bias=_logit_bias(body.get("logit_bias", {})),
-            max_tokens=body.get(length_name, DEFAULT_MAX_TOKENS[kind]),
-            seed=body.get("seed"),
-            stop=(stop,) if isinstance(stop, str) else stop,
-            top_logprobs=top_n,
-            **{name: body[name] for name in EXTRA_FIELDS if name in body},
-        )
+        params = SamplingParams(**given, top_logprobs=top_n)
         validate_request(params, prompt_ids, vocab_size=vocab_size, max_context=max_context)
-    except (TypeError, ValueError) as error:
+    except ParameterError as error:
         raise refusal(error, names) from None
     num_draft = body.get("num_draft")
     if num_draft is not None and (
         not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 0
     ):
         raise bad_param("num_draft", f"num_draft must be an integer >= 0, got {num_draft!r}")
+    if num_draft is not None and num_draft > max_draft:
+        if max_draft == 0:
+            message = "num_draft: this server has no drafter (it was started without --speculate)"
+        else:
+            message = f"num_draft must be in [0, {max_draft}], got {num_draft}"
+        raise bad_param("num_draft", message)
     return APIRequest(kind, prompt_ids, params, stream, include_usage, logprobs, model, num_draft)
 
 
-def refusal(error: Exception, names: Mapping[str, str]) -> APIError:
+def refusal(error: ParameterError, names: Mapping[str, str]) -> APIError:
     """A 400 for an error of the spec's validation, naming the API's parameter.
 
-    The spec's messages begin with the field's name ("top_p must be in (0, 1],
-    got 2"); `names` maps the fields whose API name differs.
+    The error names the field at fault (`.param`); `names` maps the fields
+    whose API name differs from their body name.
     """
     message = str(error)
-    match = re.match(r"[a-z_]+", message)
-    field = match.group(0) if match else None
-    if "cache blocks" in message:  # the engine: the request could never fit the cache
-        field = "max_tokens"
-    known = field in SamplingParams.__dataclass_fields__ or field in names or field == "num_draft"
-    if not known:
-        field = None
-    code = "context_length_exceeded" if "context" in message else None
-    if field is None:
+    code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
+    field = error.param
+    if field in names:
+        param = names[field]
+    elif field in PARAMETERS:
+        param = PARAMETERS[field].api or field
+    else:  # not one of the request's fields
         return bad_param(None, message, code)
-    param = names.get(field, field)
     if message.startswith(field):  # say it the way the client did
         message = param + message[len(field) :]
     return bad_param(param, message, code)
+
+
+def cache_refusal(error: Exception, params: SamplingParams) -> APIError:
+    """A 400 for the engine's refusal of a request the whole cache could never hold
+    (prompt + max_tokens, or the context when max_tokens is None)."""
+    code = "context_length_exceeded" if params.max_tokens is None else None
+    return bad_param("max_tokens", str(error), code)
 
 
 def _get(body: Mapping, name: str, kind: type, default: object, param: str | None = None) -> Any:  # noqa: ANN401 (a JSON value)

@@ -36,9 +36,19 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from decodespec.spec.checks import ParameterError
+
 from .engine import Engine
 from .engine_loop import EngineLoop, Stream
-from .openai_api import APIError, APIRequest, Kind, Responder, parse_request, refusal
+from .openai_api import (
+    APIError,
+    APIRequest,
+    Kind,
+    Responder,
+    cache_refusal,
+    parse_request,
+    refusal,
+)
 from .request import RequestOutput
 
 log = logging.getLogger("decodespec.serve")
@@ -143,6 +153,7 @@ class OpenAIServer:
                 model=self.model,
                 vocab_size=self.engine.config.vocab_size,
                 max_context=self.engine.config.max_context,
+                max_draft=self.engine.num_draft if self.engine.speculator is not None else 0,
             )
             if api.params.seed is None:
                 # The seed is reported back; JavaScript reads JSON numbers as doubles, so
@@ -163,8 +174,10 @@ class OpenAIServer:
             raise APIError(503, "the engine is not running", type="server_error")
         try:
             return await self.loop.submit(api.prompt_ids, api.params, arrival, api.num_draft)
-        except (TypeError, ValueError) as error:  # the engine's own refusal (cache size)
+        except ParameterError as error:  # the spec's checks, which the engine runs again
             raise refusal(error, {}) from None
+        except (TypeError, ValueError) as error:  # the engine's own: the cache is too small
+            raise cache_refusal(error, api.params) from None
         except RuntimeError as error:
             raise APIError(503, str(error), type="server_error") from None
 

@@ -33,6 +33,7 @@ SPEC_MODULES = tuple(
         "sampling",
         "rng",
         "params",
+        "checks",
         "stop",
         "attention",
         "append",

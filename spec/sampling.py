@@ -111,16 +111,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .logits import apply_logit_processors
-
 # SamplingParams and the functions marked F401 were defined in this module until
-# the parameters got their own (spec/params.py): the old import paths keep working.
+# the parameters got their own (spec/params.py, spec/checks.py): the old import
+# paths keep working.
+from .checks import check_integer, check_range, check_token_ids  # noqa: F401
+from .logits import apply_logit_processors
 from .params import (
     MAX_TOP_LOGPROBS,
+    RANGES,
     SamplingParams,  # noqa: F401
-    check_integer,
-    check_range,
-    check_token_ids,  # noqa: F401
     resolve_seed,  # noqa: F401
     sampling_tensors,  # noqa: F401
     validate_request,  # noqa: F401
@@ -302,27 +301,13 @@ def _check_sampling_tensors(logits: Tensor, tensors: Mapping[str, Tensor | None]
             raise ValueError(f"{name} is on {t.device}, logits on {logits.device}")
         if name in _INTEGER and (t.dtype.is_floating_point or t.dtype == torch.bool):
             raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
-        if name in _RANGES:
-            low, high, low_open, high_open = _RANGES[name]
-            check_range(name, t, low, high, low_open=low_open, high_open=high_open)
+        if name in RANGES:  # PARAM-RANGE-1
+            RANGES[name].check(name, t)
 
 
 _PER_TOKEN = {"logit_bias", "stop_token_mask", "prompt_mask", "output_counts"}
 _REQUIRED = {"temperature"}
 _INTEGER = {"top_k", "seed", "step", "min_tokens", "output_counts"}
-_RANGES = {  # name: (low, high, low_open, high_open); PARAM-RANGE-1
-    "temperature": (0, math.inf, False, True),
-    "top_k": (0, math.inf, False, True),
-    "top_p": (0, 1, True, False),
-    "min_p": (0, 1, False, False),
-    "step": (0, math.inf, False, True),
-    "min_tokens": (0, math.inf, False, True),
-    "output_counts": (0, math.inf, False, True),
-    "logit_bias": (-100, 100, False, False),
-    "repetition_penalty": (0, math.inf, True, True),
-    "frequency_penalty": (-2, 2, False, False),
-    "presence_penalty": (-2, 2, False, False),
-}
 
 
 def _filter(z: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:

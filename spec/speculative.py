@@ -69,7 +69,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .params import check_range
+from .checks import check_range
 from .rng import STREAM_TOKEN_CHOICE, uniform
 from .sampling import greedy
 from .softmax import check_tensor, check_vocabulary, compute_dtype

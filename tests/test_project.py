@@ -229,6 +229,26 @@ def test_docstring_examples_run(module):
     assert result.failed == 0
 
 
+def test_the_kernels_check_the_sampling_arguments_as_the_spec_does():
+    """kernels/ may not import spec/ (it is vendorable): it keeps a copy of the spec's
+    table of ranges and of which of `sample`'s tensors are integers or per token."""
+    import inspect
+
+    from decodespec.kernels import sampling as kernels
+    from decodespec.spec import sampling
+    from decodespec.spec.params import RANGES
+
+    arguments = inspect.signature(sampling.sample).parameters
+    spec = {
+        name: (r.low, r.high, r.low_open, r.high_open)
+        for name, r in RANGES.items()
+        if name in arguments
+    }
+    assert kernels._RANGES == spec
+    assert kernels._INTEGER == sampling._INTEGER
+    assert kernels._PER_TOKEN == sampling._PER_TOKEN
+
+
 def test_readme_python_examples_run(capsys):
     """The README's Python examples are executed, so they cannot rot."""
     import re

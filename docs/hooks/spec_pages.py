@@ -81,6 +81,7 @@ STAGES = (
         parts=(
             ("Random numbers", "decodespec.spec.rng"),
             ("Parameters", "decodespec.spec.params"),
+            ("Checking a parameter", "decodespec.spec.checks"),
         ),
     ),
     Stage("append", "Append", "decodespec.spec.append"),

@@ -19,7 +19,7 @@ from docs.tools import peers
 
 ROOT = Path(__file__).resolve().parents[2]
 # (stage page, spec module it shows): the sampling page shows the stage, its random
-# numbers and its parameters.
+# numbers, its parameters and their checks.
 STAGES = [
     ("generate", "decodespec.spec.generate"),
     ("forward", "decodespec.spec.forward"),
@@ -29,6 +29,7 @@ STAGES = [
     ("sampling", "decodespec.spec.sampling"),
     ("sampling", "decodespec.spec.rng"),
     ("sampling", "decodespec.spec.params"),
+    ("sampling", "decodespec.spec.checks"),
     ("append", "decodespec.spec.append"),
     ("stop", "decodespec.spec.stop"),
     ("speculative", "decodespec.spec.speculative"),

@@ -1,8 +1,8 @@
 """The `decodespec` command on the bundled SmolLM2-135M-Instruct: output, flags, errors.
 
 The model loads once per module. Each CLI call runs in-process (`decodespec.reference.cli.main`)
-with the CLI's loader (`decodespec.reference.cli.load_model`) patched to return that model, so a
-call costs its generation only; a `--model PATH` still goes to the real loader. Two
+with the CLI's loader (`decodespec.reference.cli.load_model_with_progress`) patched to return
+that model, so a call costs its generation only; a `--model PATH` still goes to the real loader. Two
 runs of the installed command check the real process. The greedy continuation is
 compared token for token with transformers reading the same GGUF file.
 """
@@ -36,7 +36,7 @@ from tests.engine.checkpoints import hf_model_from_gguf
 
 QUESTION = "What is the capital of France?"
 REPO = Path(__file__).resolve().parents[2]
-REAL_LOAD = cli.load_model  # the CLI's own loader, before any test patches it
+REAL_LOAD = cli.load_model_with_progress  # the CLI's own loader, before any test patches it
 JSON_KEYS = {
     "text",
     "token_ids",
@@ -97,7 +97,7 @@ def run_cli(model: tuple | None, *argv: str) -> Run:
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),
     ):
-        patch.setattr(cli, "load_model", load)
+        patch.setattr(cli, "load_model_with_progress", load)
         code = cli.main(list(argv))
     return Run(code, out.getvalue(), err.getvalue(), loads)
 
@@ -883,7 +883,7 @@ def test_closed_stdout_ends_quietly(model):
         contextlib.redirect_stdout(ClosedPipe()),
         contextlib.redirect_stderr(err),
     ):
-        patch.setattr(cli, "load_model", lambda path: model)
+        patch.setattr(cli, "load_model_with_progress", lambda path: model)
         code = cli.main(["generate", QUESTION, "--max-tokens", "4"])
     assert code != 0
     assert "Traceback" not in err.getvalue()

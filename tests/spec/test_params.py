@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from decimal import Decimal
 from fractions import Fraction
@@ -12,12 +13,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from decodespec.spec.params import (
+from decodespec.spec.checks import (
+    ContextLengthError,
     ParameterTypeError,
-    SamplingParams,
-    SamplingTensors,
+    Range,
     check_range,
     check_token_ids,
+)
+from decodespec.spec.params import (
+    PARAMETERS,
+    RANGES,
+    SamplingParams,
+    SamplingTensors,
     resolve_seed,
     sampling_tensors,
     seed_to_int64,
@@ -88,6 +95,7 @@ def test_invalid_parameter_raises_naming_it(field, value):
         SamplingParams(**{field: value})
     assert field.split("_")[0] in str(error.value)
     assert "must" in str(error.value)
+    assert error.value.param == field  # a server names the field without reading the message
 
 
 @pytest.mark.clause("PARAM-RANGE-1")
@@ -217,6 +225,31 @@ def test_sampling_tensors_select_rows_and_drop_the_seed_for_process_logits():
         t["logit_bias"]
 
 
+@pytest.mark.clause("PARAM-REQUEST-1")
+@pytest.mark.parametrize(
+    ("prompt", "fields", "param"),
+    [
+        ([1] * 8, {}, "prompt_token_ids"),
+        ([1], {"max_tokens": 8}, "max_tokens"),
+        ([1], {"max_tokens": None, "min_tokens": 8}, "min_tokens"),
+    ],
+)
+def test_a_request_beyond_the_context_names_its_field(prompt, fields, param):
+    with pytest.raises(ContextLengthError) as error:
+        validate_request(SamplingParams(**fields), prompt, vocab_size=4, max_context=8)
+    assert error.value.param == param and "context" in str(error.value)
+
+
+def test_every_parameter_is_declared_once_with_its_range_and_interfaces():
+    assert list(PARAMETERS) == [f.name for f in dataclasses.fields(SamplingParams)]
+    for name, declared in PARAMETERS.items():
+        assert declared.help, name
+        if declared.type in (float, int) and name not in ("min_tokens", "seed"):
+            assert RANGES[name] is declared.range, name
+    assert RANGES["top_p"] == Range(0, 1, low_open=True) and str(RANGES["top_p"]) == "(0, 1]"
+    assert {p.api for p in PARAMETERS.values()} >= {"temperature", "top_k", "logprobs_mode"}
+
+
 def test_sampling_params_can_still_be_imported_from_the_sampling_module():
     from decodespec.spec import sampling
 
@@ -298,6 +331,7 @@ def test_wrong_type_raises_type_error_naming_it(field, value):
     assert isinstance(error.value, ParameterTypeError)
     assert isinstance(error.value, ValueError)  # callers catching ValueError still report it
     assert field in str(error.value)
+    assert error.value.param == field
     assert "must" in str(error.value)
 
 
