@@ -8,9 +8,9 @@ kernels run in the Triton interpreter (set TRITON_INTERPRET=1 before
 importing this package; the test configuration does).
 
 Kernels so far: `paged_attention` (with split-KV; see `attention.py`),
-`append_kv`, and the sampling stage: `sample`, `process_logits`,
-`compute_logprobs`, `greedy`, the three filter masks and `uniform`
-(`sampling.py`), and the verification of speculative drafts,
+`append_kv`, and the sampling stage: `sample`, `process_logits`, `greedy`,
+the three filter masks and `uniform` (`sampling.py`), `compute_logprobs`
+(`logprobs.py`), and the verification of speculative drafts,
 `verify_drafts` (`speculative.py`). The conformance suite
 lists the other operations as missing and, with this package as the default
 implementation, runs their tests as a self-check of the spec.
@@ -18,10 +18,9 @@ implementation, runs their tests as a self-check of the spec.
 
 from .append import append_kv
 from .attention import paged_attention
+from .logprobs import Logprobs, compute_logprobs
 from .sampling import (
     InvalidLogitsError,
-    Logprobs,
-    compute_logprobs,
     greedy,
     min_p_mask,
     process_logits,

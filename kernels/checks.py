@@ -104,3 +104,21 @@ def check_caches(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int, int]:
             f"got shape {list(k_cache.shape)}"
         )
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+LOGITS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_logits(logits: Tensor) -> None:
+    """A `[batch, vocab]` float tensor with a vocabulary (SAMPLE-VALID-3): a row of no
+    column would launch a loop of step 0."""
+    check_tensor("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
+    if logits.dtype not in LOGITS_DTYPES:
+        raise ValueError(
+            f"logits must be float16, bfloat16 or float32 for the Triton kernels, got "
+            f"{logits.dtype}"
+        )
+    check_vocabulary("logits", logits)
+    check_kernel_device("logits", logits)

@@ -1,7 +1,8 @@
 """Sampling in Triton: from logits to tokens in one fused, sort-free pass per row.
 
 Same names, signatures and semantics as `decodespec.spec.sampling.sample`,
-`process_logits` and `compute_logprobs` (SAMPLE-*, LOGITS-*, LOGPROB-*).
+`process_logits`, `greedy`, the three filter masks and `uniform` (SAMPLE-*,
+LOGITS-*); logprobs have their own kernel (`logprobs.py`).
 One program owns one row and walks its vocabulary `BLOCK_V` entries at a
 time:
 
@@ -34,19 +35,24 @@ every reduction has a fixed order (the same inputs give the same tokens).
 
 Logits must be float16, bfloat16 or float32 (float64 is the spec's
 reference dtype, not a kernel one).
+
+Why one file of some 700 lines: `sample`, `process_logits`, `greedy` and the
+three masks are one kernel run in different modes (the fused pass above
+stops at the step each needs), so its building blocks, its launch and the
+checks of its arguments belong together; a downstream engine vendors it as
+one unit beside `checks.py`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import INTERPRET, check_kernel_device, check_tensor, check_vocabulary
+from .checks import INTERPRET, check_kernel_device, check_logits, check_tensor
 
 # The int32 key of −inf: every finite float32 has a larger key (see _ordered_key).
 KEY_NEG_INF = tl.constexpr(-2139095041)
@@ -55,8 +61,6 @@ KEY_NEG_INF = tl.constexpr(-2139095041)
 # take 256 pivots there (4 passes).
 NUM_PIVOTS = 16
 INTERPRETER_SMALL_VOCAB_PIVOTS = 256
-MAX_TOP_LOGPROBS = 20
-LOGITS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class InvalidLogitsError(ValueError):
@@ -69,15 +73,6 @@ class InvalidLogitsError(ValueError):
         super().__init__(f"invalid logits (NaN, +inf or all -inf) in rows {rows}")
         self.rows = rows
         self.tokens = tokens
-
-
-class Logprobs(NamedTuple):
-    """What `compute_logprobs` returns, per row (the spec's fields)."""
-
-    token_logprobs: Tensor  # [batch] float32
-    ranks: Tensor  # [batch] int64, 1 = most likely
-    top_token_ids: Tensor  # [batch, n] int64
-    top_logprobs: Tensor  # [batch, n] float32
 
 
 # ---------------------------------------------------------------- building blocks
@@ -388,77 +383,6 @@ def _sample_kernel(
         tl.store(tokens_ptr + row, token.to(tl.int64))
 
 
-@triton.jit
-def _logprobs_kernel(
-    logits_ptr,
-    token_ids_ptr,
-    valid_ptr,
-    token_logprobs_ptr,
-    ranks_ptr,
-    top_ids_ptr,
-    top_logprobs_ptr,
-    vocab,
-    logits_stride,
-    num_top,
-    BLOCK_V: tl.constexpr,
-):
-    """One row: log_softmax of the chosen token, its rank, the top `num_top` (LOGPROB-*)."""
-    row = tl.program_id(0).to(tl.int64)
-    logits_row = logits_ptr + row * logits_stride
-    bad = 0
-    z_max = float("-inf")
-    for start in range(0, vocab, BLOCK_V):
-        offsets = start + tl.arange(0, BLOCK_V)
-        z = tl.load(logits_row + offsets, mask=offsets < vocab, other=float("-inf"))
-        z = z.to(tl.float32)
-        bad += tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), axis=0)
-        z_max = tl.maximum(z_max, tl.max(z, axis=0))
-    valid = (bad == 0) & (z_max > float("-inf"))
-    tl.store(valid_ptr + row, valid.to(tl.int8))
-    if valid:
-        total = 0.0
-        for start in range(0, vocab, BLOCK_V):
-            offsets = start + tl.arange(0, BLOCK_V)
-            z = tl.load(logits_row + offsets, mask=offsets < vocab, other=float("-inf"))
-            total += tl.sum(tl.exp(z.to(tl.float32) - z_max), axis=0)
-        log_total = tl.log(total)
-        token = tl.load(token_ids_ptr + row)
-        # lp_i = (z_i − max z) − ln Σ exp(z_j − max z), computed alike for every i (SOFTMAX-LOG-1)
-        token_lp = (tl.load(logits_row + token).to(tl.float32) - z_max) - log_total
-        tl.store(token_logprobs_ptr + row, token_lp)
-        above = 0
-        for start in range(0, vocab, BLOCK_V):
-            offsets = start + tl.arange(0, BLOCK_V)
-            z = tl.load(logits_row + offsets, mask=offsets < vocab, other=float("-inf"))
-            lp = (z.to(tl.float32) - z_max) - log_total
-            above += tl.sum((lp > token_lp).to(tl.int32), axis=0)
-        tl.store(ranks_ptr + row, above.to(tl.int64) + 1)
-
-        # Top n: n passes, each taking the next (value descending, id ascending).
-        previous_lp = float("inf")
-        previous_id = -1
-        for t in range(0, num_top):
-            best = float("-inf")
-            best_id = 2147483647
-            for start in range(0, vocab, BLOCK_V):
-                offsets = start + tl.arange(0, BLOCK_V)
-                z = tl.load(logits_row + offsets, mask=offsets < vocab, other=float("-inf"))
-                lp = (z.to(tl.float32) - z_max) - log_total
-                after = (lp < previous_lp) | ((lp == previous_lp) & (offsets > previous_id))
-                candidate = after & (offsets < vocab)
-                chunk_best = tl.max(tl.where(candidate, lp, float("-inf")), axis=0)
-                chunk_id = tl.min(
-                    tl.where(candidate & (lp == chunk_best), offsets, 2147483647), axis=0
-                )
-                better = (chunk_best > best) | ((chunk_best == best) & (chunk_id < best_id))
-                best_id = tl.where(better, chunk_id, best_id)
-                best = tl.maximum(best, chunk_best)
-            tl.store(top_ids_ptr + row * num_top + t, best_id.to(tl.int64))
-            tl.store(top_logprobs_ptr + row * num_top + t, best)
-            previous_lp = best
-            previous_id = best_id
-
-
 # ---------------------------------------------------------------- validation
 
 # name: (low, high, low_open, high_open), PARAM-RANGE-1: a copy of the spec's table
@@ -499,24 +423,9 @@ def _check_range(name: str, t: Tensor, low: float, high: float, low_open: bool, 
     raise ValueError(f"{name}[{', '.join(map(str, bad))}] must be in {interval}, got {value!r}")
 
 
-def _check_logits(logits: Tensor) -> None:
-    """A `[batch, vocab]` float tensor with a vocabulary (SAMPLE-VALID-3): a row of no
-    column would launch a loop of step 0."""
-    check_tensor("logits", logits)
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
-    if logits.dtype not in LOGITS_DTYPES:
-        raise ValueError(
-            f"logits must be float16, bfloat16 or float32 for the Triton kernels, got "
-            f"{logits.dtype}"
-        )
-    check_vocabulary("logits", logits)
-    check_kernel_device("logits", logits)
-
-
 def _check_sampling_args(logits: Tensor, args: dict[str, Tensor | None]) -> None:
     """Shapes, dtypes, devices and ranges of `sample`'s arguments (PARAM-RANGE-1)."""
-    _check_logits(logits)
+    check_logits(logits)
     batch, vocab = logits.shape
     for name, t in args.items():
         if t is None and name != "temperature":  # the one required tensor
@@ -626,14 +535,14 @@ def greedy(logits: Tensor) -> Tensor:
         >>> greedy(torch.tensor([[1.0, 3.0, 3.0, 2.0]]))
         tensor([1])
     """
-    _check_logits(logits)
+    check_logits(logits)
     tokens, _ = _launch(logits, {"temperature": torch.zeros_like(logits[:, 0])}, choose=True)
     return tokens
 
 
 def _filter_mask(logits: Tensor, name: str, values: Tensor) -> Tensor:
     """The tokens one filter keeps of the logits as given (no temperature, no processors)."""
-    _check_logits(logits)
+    check_logits(logits)
     check_tensor(name, values)
     _, filtered = _launch(logits, {name: values}, choose=False, filters_only=True)
     return filtered > float("-inf")
@@ -835,76 +744,3 @@ def process_logits(
     if error is not None:
         raise InvalidLogitsError(error.rows, torch.full_like(tokens, -1))
     return processed
-
-
-def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int = 0) -> Logprobs:
-    """Log-probability, rank and top-n alternatives of chosen tokens (spec.sampling).
-
-    (LOGPROB-RAW-1, LOGPROB-RANK-1, LOGPROB-TOP-1.) Raw logits give raw
-    logprobs; the output of `process_logits` gives processed ones.
-
-    Args:
-        logits: `[batch, vocab]` float16, bfloat16 or float32; rows must be valid.
-        token_ids: `[batch]` int, the chosen tokens.
-        num_top: n in [0, 20]; the top list is found by n selection passes
-            (value descending, ties to the smaller id), not by sorting.
-
-    Returns:
-        `Logprobs` (float32 log-probabilities, int64 ranks and ids).
-
-    Raises:
-        ValueError: wrong shapes, a token id outside the vocabulary, n out of
-            range, or an invalid row (NaN, +inf or all −inf).
-
-    Example:
-        >>> lp = compute_logprobs(torch.tensor([[0.0, 1.0, 1.0]]), torch.tensor([0]), 2)
-        >>> lp.ranks, lp.top_token_ids
-        (tensor([3]), tensor([[1, 2]]))
-    """
-    _check_logits(logits)
-    check_tensor("token_ids", token_ids)
-    if list(token_ids.shape) != [logits.shape[0]]:
-        raise ValueError(
-            f"token_ids must have shape [{logits.shape[0]}], got {list(token_ids.shape)}"
-        )
-    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-        raise ValueError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
-    if token_ids.device != logits.device:
-        raise ValueError(f"token_ids is on {token_ids.device}, logits on {logits.device}")
-    if not isinstance(num_top, int) or isinstance(num_top, bool):
-        raise ValueError(f"num_top must be an integer, got {num_top!r}")
-    if not 0 <= num_top <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"num_top must be in [0, {MAX_TOP_LOGPROBS}], got {num_top}")
-    batch, vocab = logits.shape
-    if bool(((token_ids < 0) | (token_ids >= vocab)).any()):
-        raise ValueError(f"token_ids must be in [0, {vocab}), got {token_ids.tolist()}")
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    device = logits.device
-    valid = torch.empty(batch, dtype=torch.int8, device=device)
-    token_logprobs = torch.empty(batch, dtype=torch.float32, device=device)
-    ranks = torch.empty(batch, dtype=torch.int64, device=device)
-    top_ids = torch.empty(batch, num_top, dtype=torch.int64, device=device)
-    top_logprobs = torch.empty(batch, num_top, dtype=torch.float32, device=device)
-    if batch > 0:
-        _logprobs_kernel[(batch,)](
-            logits,
-            token_ids.to(torch.int64),
-            valid,
-            token_logprobs,
-            ranks,
-            top_ids,
-            top_logprobs,
-            vocab,
-            logits.stride(0),
-            num_top,
-            BLOCK_V=min(triton.next_power_of_2(vocab), 4096 if INTERPRET else 1024),
-            num_warps=4,
-            enable_fp_fusion=False,
-        )
-    bad = valid == 0
-    if bool(bad.any()):
-        raise ValueError(
-            f"invalid logits (NaN, +inf or all -inf) in rows {bad.nonzero().flatten().tolist()}"
-        )
-    return Logprobs(token_logprobs, ranks, top_ids, top_logprobs)

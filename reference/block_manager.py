@@ -16,6 +16,13 @@ from .block_allocator import BlockAllocator, BlockHash, CacheFullError, block_ha
 from .request import Request
 
 
+class CacheCapacityError(ValueError):
+    """A request the whole cache could never hold (prompt + max_tokens, or the context
+    when max_tokens is None): the parameter at fault is max_tokens."""
+
+    param = "max_tokens"
+
+
 class BlockManager:
     """Blocks of `block_size` positions from a pool of `num_blocks`, per request.
 
@@ -46,13 +53,13 @@ class BlockManager:
         return -(-positions // self.block_size)
 
     def check_fits(self, request: Request, max_tokens: int, limit: str) -> None:
-        """Raise ValueError if the request could never fit the whole cache on its own:
+        """Raise CacheCapacityError if the request could never fit the whole cache on its own:
         its prompt and `max_tokens` new tokens (bounded by `limit`: "max_tokens" or
         "the context"), the last of which never runs and needs no slot."""
         prompt = len(request.prompt_ids)
         needed = self.blocks_for(prompt + max_tokens - 1)
         if needed > self.num_blocks:
-            raise ValueError(
+            raise CacheCapacityError(
                 f"a {prompt}-token prompt with up to {max_tokens} new tokens ({limit}) needs "
                 f"{needed} cache blocks of {self.block_size} positions; the cache has "
                 f"{self.num_blocks}: lower max_tokens or raise cache_tokens"

@@ -38,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from decodespec.spec.checks import ParameterError
 
+from .block_manager import CacheCapacityError
 from .engine import Engine
 from .engine_loop import EngineLoop, Stream
 from .openai_api import (
@@ -45,6 +46,7 @@ from .openai_api import (
     APIRequest,
     Kind,
     Responder,
+    bad_param,
     cache_refusal,
     parse_request,
     refusal,
@@ -153,7 +155,7 @@ class OpenAIServer:
                 model=self.model,
                 vocab_size=self.engine.config.vocab_size,
                 max_context=self.engine.config.max_context,
-                max_draft=self.engine.num_draft if self.engine.speculator is not None else 0,
+                max_draft=self.engine.num_draft if self.engine.drafter is not None else 0,
             )
             if api.params.seed is None:
                 # The seed is reported back; JavaScript reads JSON numbers as doubles, so
@@ -176,8 +178,10 @@ class OpenAIServer:
             return await self.loop.submit(api.prompt_ids, api.params, arrival, api.num_draft)
         except ParameterError as error:  # the spec's checks, which the engine runs again
             raise refusal(error, {}) from None
-        except (TypeError, ValueError) as error:  # the engine's own: the cache is too small
+        except CacheCapacityError as error:
             raise cache_refusal(error, api.params) from None
+        except (TypeError, ValueError) as error:  # anything else the engine refuses
+            raise bad_param(None, str(error)) from None
         except RuntimeError as error:
             raise APIError(503, str(error), type="server_error") from None
 

@@ -215,6 +215,7 @@ def test_every_operation_names_real_clauses():
         "decodespec.spec.registry",
         "decodespec.kernels.append",
         "decodespec.kernels.attention",
+        "decodespec.kernels.logprobs",
         "decodespec.kernels.sampling",
         "decodespec.kernels.speculative",
         "decodespec.reference.drafters",
