@@ -100,6 +100,9 @@ row's log-probabilities: 1 is the most likely, tied tokens share a rank.
 
 [LOGPROB-TOP-1] The top-n alternatives (0 <= n <= 20) are the n largest
 log-probabilities in descending order, ties to the smaller token id.
+
+(A little over 500 lines: a fifth of them are these clauses, which are the
+definition a reader comes for; the code below evaluates them.)
 """
 
 from __future__ import annotations
