@@ -29,6 +29,7 @@ SPEC_MODULES = tuple(
     f"{__package__}.{stage}"
     for stage in (
         "softmax",
+        "token_mask",
         "logits",
         "sampling",
         "rng",
@@ -151,6 +152,20 @@ OPERATIONS: dict[str, Operation] = {
             RELATIVE,
         ),
         _op("apply_temperature", "softmax", ("SOFTMAX-TEMP-1", "SOFTMAX-VALID-1"), RELATIVE),
+        _op(
+            "apply_token_bitmask",
+            "token_mask",
+            (
+                "MASK-LAYOUT-1",
+                "MASK-APPLY-1",
+                "MASK-WIDTH-1",
+                "MASK-ROWS-1",
+                "MASK-EMPTY-1",
+                "MASK-ORDER-1",
+                "MASK-VALID-1",
+            ),
+            EXACT,
+        ),
         _op("compute_logits", "logits", ("LOGITS-PROJ-1", "LOGITS-VALID-1"), RELATIVE),
         _op("apply_logit_bias", "logits", ("LOGITS-BIAS-1", "LOGITS-VALID-1"), RELATIVE),
         _op("apply_min_tokens", "logits", ("LOGITS-MINTOK-1", "LOGITS-VALID-1"), RELATIVE),

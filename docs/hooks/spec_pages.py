@@ -72,6 +72,7 @@ STAGES = (
     Stage("generate", "The loop", "decodespec.spec.generate"),
     Stage("forward", "Forward pass", "decodespec.spec.forward"),
     Stage("attention", "Attention", "decodespec.spec.attention"),
+    Stage("token_mask", "Token mask", "decodespec.spec.token_mask"),
     Stage("logits", "Logits", "decodespec.spec.logits"),
     Stage("softmax", "Softmax", "decodespec.spec.softmax"),
     Stage(

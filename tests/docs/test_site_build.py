@@ -24,6 +24,7 @@ STAGES = [
     ("generate", "decodespec.spec.generate"),
     ("forward", "decodespec.spec.forward"),
     ("attention", "decodespec.spec.attention"),
+    ("token_mask", "decodespec.spec.token_mask"),
     ("logits", "decodespec.spec.logits"),
     ("softmax", "decodespec.spec.softmax"),
     ("sampling", "decodespec.spec.sampling"),

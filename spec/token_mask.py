@@ -1,0 +1,207 @@
+"""Token mask stage: the tokens a grammar allows, applied to the logits.
+
+Structured outputs (JSON, a regular expression, a grammar) constrain each
+step to the tokens that keep the output inside the language. A grammar
+matcher (xgrammar or llguidance) fills a packed bitmask per request and per
+step; this stage is what the bitmask does to the logits. Filling it is the
+matcher's business, not the spec's.
+
+Layout
+------
+[MASK-LAYOUT-1] A bitmask is a `torch.int32` tensor of shape
+`[batch, words]`: row b is the mask of logits row b, and token t is allowed
+iff bit `t % 32` of word `t // 32` is 1, bit 0 being the least significant.
+A word is 32 raw bits: its sign is irrelevant (−1 allows all 32 of its
+tokens, 1 allows the first one only, −2³¹ the last one only). This is the
+layout xgrammar and llguidance exchange (`allocate_token_bitmask` gives
+`[batch, ceil(V / 32)]` int32 words filled with −1), so their bitmasks are
+used as they come.
+
+Applying it
+-----------
+[MASK-APPLY-1] `apply_token_bitmask` returns new logits of the input's
+shape and dtype: an allowed entry is copied bit for bit (NaN and ±inf
+included: judging them is SAMPLE-VALID-1's business, not this stage's), a
+disallowed entry becomes −inf whatever it held, NaN included. The input
+tensors are not modified.
+
+[MASK-WIDTH-1] The vocabulary is the logits' width V. Bits of tokens t >= V
+are ignored: the padding bits of the last word when V is not a multiple of
+32, and whole words past `ceil(V / 32)` when the bitmask is wider than
+needed. Columns t >= 32 · words of logits wider than the bitmask are
+disallowed (−inf): a model whose embedding is padded past its tokenizer's
+vocabulary produces logits for ids that are no token, and a grammar never
+allows those. Differs from xgrammar, whose `apply_token_bitmask_inplace`
+(without its `vocab_size` argument) masks the first `min(V, 32 · words)`
+columns only and leaves the columns past the bitmask as they were;
+llguidance's numpy `apply_token_bitmask_inplace` sets them to −inf as here.
+
+[MASK-ROWS-1] `indices` None masks every row. Otherwise it is a 1-D integer
+tensor of row numbers: only those rows are masked (row b by bitmask row b),
+and every other row is returned bit for bit as it came, its bitmask row not
+read: the rows of requests without a grammar in the same batch. A row named
+twice is masked once (masking is idempotent); an empty `indices` masks
+nothing. This is xgrammar's `indices` argument, which also indexes both the
+logits and the bitmask; here the bitmask always has one row per logits row.
+
+[MASK-EMPTY-1] A row whose mask allows no token of its vocabulary comes out
+all −inf. The mask does not raise and picks no replacement token (never a
+silent EOS): such a row is invalid (SAMPLE-VALID-1), and the sampling stage
+reports it, so the engine fails that request alone. Masking can also make a
+row valid: NaN in a disallowed position is gone.
+
+[MASK-ORDER-1] In the sampling pipeline the mask applies first, to the raw
+logits, before logit bias, min_tokens, penalties, temperature and the
+filters (SEMANTICS.md, "Structured outputs"). The filters therefore choose
+among allowed tokens: each keeps every maximum of its input (SAMPLE-ORDER-1),
+so a row with one allowed token keeps at least one, and top-p can never leave
+a row with nothing allowed. "Raw" logprobs (LOGPROB-RAW-1) stay the model's
+own, unmasked; "processed" ones include the mask. Among other engines, vLLM
+masks the raw logits too, SGLang masks after the penalties, and llama.cpp
+masks only when the token its chain sampled is rejected.
+
+[MASK-VALID-1] Invalid arguments raise `ValueError` naming the argument:
+`logits` `[batch, vocab]` with a floating-point dtype and at least one
+column (SAMPLE-VALID-3); `bitmask` 2-D `[batch, words]` with logits' batch,
+at least one word, dtype int32 (not uint32 nor int64: a word is 32 bits,
+whatever else would need a conversion the caller must choose); `indices`
+None or a 1-D int32/int64 tensor whose entries are in `[0, batch)`; every
+tensor on logits' device. An argument that is not a `torch.Tensor` raises
+`TypeError` naming it (`ArgumentTypeError`, SOFTMAX-VALID-1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .softmax import check_tensor, check_vocabulary
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """The number of int32 words of a bitmask over `vocab_size` tokens: `ceil(V / 32)`.
+
+    Example:
+        >>> bitmask_words(32), bitmask_words(33), bitmask_words(49152)
+        (1, 2, 1536)
+    """
+    return (vocab_size + 31) // 32
+
+
+def allowed_token_mask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """`[batch, vocab_size]` bool: True where the bitmask allows the token (MASK-LAYOUT-1).
+
+    Tokens past the bitmask's `32 · words` are not allowed; bits past
+    `vocab_size` are ignored (MASK-WIDTH-1).
+
+    Args:
+        bitmask: `[batch, words]` int32.
+        vocab_size: the number of tokens, >= 0.
+
+    Example:
+        Word 5 = 0b101 allows tokens 0 and 2; word −1 allows all 32 of its tokens;
+        token 40 lies past the single word of the second row.
+
+        >>> allowed_token_mask(torch.tensor([[5], [-1]], dtype=torch.int32), 3)
+        tensor([[ True, False,  True],
+                [ True,  True,  True]])
+        >>> allowed_token_mask(torch.tensor([[-1]], dtype=torch.int32), 41)[0, 30:].tolist()
+        [True, True, False, False, False, False, False, False, False, False, False]
+    """
+    batch, words = bitmask.shape
+    bit = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    # [batch, words, 32]: bit i of word w is token 32·w + i. An arithmetic right shift
+    # of a negative word fills with ones, but `& 1` keeps bit i alone.
+    bits = (bitmask[:, :, None] >> bit) & 1 == 1
+    allowed = bits.reshape(batch, 32 * words)[:, :vocab_size]
+    if allowed.shape[1] < vocab_size:  # logits wider than the bitmask
+        missing = torch.zeros(batch, vocab_size - allowed.shape[1], dtype=torch.bool)
+        allowed = torch.cat([allowed, missing.to(bitmask.device)], dim=1)
+    return allowed
+
+
+def _check_mask_args(logits: Tensor, bitmask: Tensor, indices: Tensor | None) -> None:
+    """MASK-VALID-1."""
+    check_tensor("logits", logits)
+    check_tensor("bitmask", bitmask)
+    if indices is not None:
+        check_tensor("indices", indices)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must have a floating-point dtype, got {logits.dtype}")
+    check_vocabulary("logits", logits)
+    batch = logits.shape[0]
+    if bitmask.dim() != 2 or bitmask.shape[0] != batch or bitmask.shape[1] < 1:
+        raise ValueError(
+            f"bitmask must have shape [{batch}, words] (logits' batch, words >= 1), "
+            f"got {list(bitmask.shape)}"
+        )
+    if bitmask.dtype != torch.int32:
+        raise ValueError(f"bitmask must be int32 (32 tokens a word), got {bitmask.dtype}")
+    if bitmask.device != logits.device:
+        raise ValueError(f"bitmask is on {bitmask.device}, logits on {logits.device}")
+    if indices is None:
+        return
+    if indices.dim() != 1 or indices.dtype not in INDEX_DTYPES:
+        raise ValueError(
+            f"indices must be a 1-D int32 or int64 tensor of rows, got shape "
+            f"{list(indices.shape)} and {indices.dtype}"
+        )
+    if indices.device != logits.device:
+        raise ValueError(f"indices is on {indices.device}, logits on {logits.device}")
+    outside = (indices < 0) | (indices >= batch)
+    if bool(outside.any()):
+        bad = int(indices[outside][0])
+        raise ValueError(f"indices holds {bad}: rows must be in [0, {batch}) (logits' batch)")
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, indices: Tensor | None = None) -> Tensor:
+    """The logits with every token the bitmask disallows at −inf.
+
+    (MASK-LAYOUT-1, MASK-APPLY-1, MASK-WIDTH-1, MASK-ROWS-1, MASK-EMPTY-1,
+    MASK-VALID-1.)
+
+    Args:
+        logits: `[batch, vocab]`, any floating dtype; not modified.
+        bitmask: `[batch, words]` int32; token t of row b is allowed iff bit
+            `t % 32` of `bitmask[b, t // 32]` is 1. Any `words >= 1`: tokens
+            past `32 · words` are disallowed, bits past `vocab` ignored.
+        indices: optional `[n]` int32/int64 rows to mask; the other rows are
+            returned unchanged. None masks every row.
+
+    Returns:
+        `[batch, vocab]`, logits' dtype: allowed entries bit for bit as they
+        were, disallowed ones −inf.
+
+    Raises:
+        ValueError: a wrong shape, dtype, device or row (MASK-VALID-1); the
+            message names the argument.
+        TypeError: an argument that is not a tensor (MASK-VALID-1).
+
+    Example:
+        Row 0 allows tokens 0 and 2 (word 0b101); row 1 is not in `indices`, so
+        it keeps everything, NaN included.
+
+        >>> logits = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("nan"), 6.0]])
+        >>> bitmask = torch.tensor([[0b101], [0]], dtype=torch.int32)
+        >>> apply_token_bitmask(logits, bitmask, indices=torch.tensor([0]))
+        tensor([[1., -inf, nan],
+                [4., nan, 6.]])
+        >>> apply_token_bitmask(logits, bitmask)
+        tensor([[1., -inf, nan],
+                [-inf, -inf, -inf]])
+    """
+    _check_mask_args(logits, bitmask, indices)
+    batch, vocab = logits.shape
+    rows = torch.zeros(batch, dtype=torch.bool, device=logits.device)
+    if indices is None:
+        rows[:] = True
+    else:
+        rows[indices.to(torch.int64)] = True
+    allowed = allowed_token_mask(bitmask, vocab) | ~rows[:, None]
+    return logits.masked_fill(~allowed, -math.inf)
