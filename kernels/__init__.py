@@ -11,7 +11,8 @@ Kernels so far: `paged_attention` (with split-KV; see `attention.py`),
 `append_kv`, and the sampling stage: `sample`, `process_logits`, `greedy`,
 the three filter masks and `uniform` (`sampling.py`), `compute_logprobs`
 (`logprobs.py`), and the verification of speculative drafts,
-`verify_drafts` (`speculative.py`). The conformance suite
+`verify_drafts` (`speculative.py`), and the grammar's token mask,
+`apply_token_bitmask` (`token_mask.py`). The conformance suite
 lists the other operations as missing and, with this package as the default
 implementation, runs their tests as a self-check of the spec.
 """
@@ -30,12 +31,14 @@ from .sampling import (
     uniform,
 )
 from .speculative import Verification, verify_drafts
+from .token_mask import apply_token_bitmask
 
 __all__ = [
     "InvalidLogitsError",
     "Logprobs",
     "Verification",
     "append_kv",
+    "apply_token_bitmask",
     "compute_logprobs",
     "greedy",
     "min_p_mask",

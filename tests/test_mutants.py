@@ -24,6 +24,10 @@ CAUGHT_BY = {
     "penalties_sign_blind": (
         "test_softmax_logits.py::test_repetition_penalty_discourages_whatever_the_sign"
     ),
+    "token_mask_bits_reversed": "test_token_mask.py::test_each_bit_allows_its_own_token",
+    "token_mask_padding_columns_kept": (
+        "test_token_mask.py::test_columns_past_the_bitmask_are_disallowed"
+    ),
 }
 # Mutants only the boundary families (tests/strategies.py) catch: every other
 # conformance test of their operations passes them.

@@ -218,6 +218,7 @@ def test_every_operation_names_real_clauses():
         "decodespec.kernels.logprobs",
         "decodespec.kernels.sampling",
         "decodespec.kernels.speculative",
+        "decodespec.kernels.token_mask",
         "decodespec.reference.drafters",
     ),
 )
