@@ -146,7 +146,8 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, indices: Tensor | None 
     else:
         # The rows outside `indices` are a copy; the kernel masks the others in place
         # (a row named twice is masked twice, to the same bits).
-        out = logits.contiguous().clone()
+        out = torch.empty((batch, vocab), dtype=logits.dtype, device=logits.device)
+        out.copy_(logits)
         source, rows, num_rows = out, indices, indices.numel()
     if num_rows == 0 or batch == 0:
         return out
