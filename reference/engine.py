@@ -56,7 +56,8 @@ class Engine:
     Args:
         weights: the model (`decodespec.reference.loader.load_weights`).
         tokenizer: encode/decode, `token_bytes`, `eos_token_ids`.
-        backend: "spec" or "triton".
+        backend: "spec" (the definition), "torch" (attention batched across requests)
+            or "triton" (the kernels; `backend.py`).
         naive: no KV cache; recompute every sequence at every step.
         block_size: positions per cache block, >= 1.
         cache_tokens: cache capacity in positions over all requests, >= 1
