@@ -17,7 +17,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import FLOAT_DTYPES, INDEX_DTYPES, check_kernel_device, check_tensor
+from .checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kernel_device,
+    check_tensor,
+    check_vocabulary,
+)
 
 # Tokens per program: 32 words of the bitmask. A constexpr of the launch.
 BLOCK_SIZE = 1024
@@ -74,11 +80,7 @@ def _check(logits: Tensor, bitmask: Tensor, indices: Tensor | None) -> None:
             f"logits must be float16, bfloat16, float32 or float64 for the Triton kernel, "
             f"got {logits.dtype}"
         )
-    if logits.shape[1] == 0:
-        raise ValueError(
-            f"logits must have at least one column (vocabulary size 0), got shape "
-            f"{list(logits.shape)}"
-        )
+    check_vocabulary("logits", logits)
     batch = logits.shape[0]
     if bitmask.dim() != 2 or bitmask.shape[0] != batch or bitmask.shape[1] < 1:
         raise ValueError(
