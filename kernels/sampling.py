@@ -6,8 +6,9 @@ LOGITS-*); logprobs have their own kernel (`logprobs.py`).
 One program owns one row and walks its vocabulary `BLOCK_V` entries at a
 time:
 
-1. processors (bias, min_tokens, repetition / frequency / presence), in the
-   spec's order and in float32 (no fused multiply-add: the launch disables
+1. the grammar's token mask (MASK-SAMPLE-1), then the processors (bias,
+   min_tokens, repetition / frequency / presence), in the spec's order and
+   in float32 (no fused multiply-add: the launch disables
    FP fusion so each step rounds as PyTorch does); validity; the maximum and
    its first index. The processed row goes to a float32 scratch row.
 2. greedy rows stop here. Sampled rows are scaled, `s = (z − max z) / T`
@@ -53,6 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .checks import INTERPRET, check_kernel_device, check_logits, check_tensor
+from .token_mask import allowed_tokens, check_bitmask
 
 # The int32 key of −inf: every finite float32 has a larger key (see _ordered_key).
 KEY_NEG_INF = tl.constexpr(-2139095041)
@@ -88,6 +90,8 @@ def _ordered_key(x):
 @triton.jit
 def _processed(
     logits_row,
+    bitmask_row,
+    words,
     bias_row,
     stop_row,
     prompt_row,
@@ -98,13 +102,17 @@ def _processed(
     theta,
     alpha_f,
     alpha_p,
+    HAS_BITMASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_MIN_TOKENS: tl.constexpr,
     HAS_PENALTIES: tl.constexpr,
 ):
-    """The processed logits of one chunk (LOGITS-ORDER-1); −inf past the vocabulary."""
+    """The processed logits of one chunk (MASK-SAMPLE-1, LOGITS-ORDER-1); −inf past
+    the vocabulary."""
     in_vocab = offsets < vocab
     z = tl.load(logits_row + offsets, mask=in_vocab, other=0.0).to(tl.float32)
+    if HAS_BITMASK:  # the grammar's mask first, replacing whatever the logit held
+        z = tl.where(allowed_tokens(bitmask_row, offsets, in_vocab, words), z, float("-inf"))
     if HAS_BIAS:
         z = z + tl.load(bias_row + offsets, mask=in_vocab, other=0.0).to(tl.float32)
     if HAS_MIN_TOKENS:
@@ -242,6 +250,7 @@ def _sample_kernel(
     min_p_ptr,
     seed_ptr,
     step_ptr,
+    bitmask_ptr,
     bias_ptr,
     stop_ptr,
     min_tokens_ptr,
@@ -252,6 +261,8 @@ def _sample_kernel(
     presence_ptr,
     vocab,
     logits_stride,
+    words,
+    HAS_BITMASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_MIN_TOKENS: tl.constexpr,
     HAS_PENALTIES: tl.constexpr,
@@ -291,6 +302,8 @@ def _sample_kernel(
         offsets = start + tl.arange(0, BLOCK_V)
         z = _processed(
             logits_row,
+            bitmask_ptr + row * words,
+            words,
             bias_ptr + row * vocab,
             stop_ptr + row * vocab,
             prompt_ptr + row * vocab,
@@ -301,6 +314,7 @@ def _sample_kernel(
             theta,
             alpha_f,
             alpha_p,
+            HAS_BITMASK,
             HAS_BIAS,
             HAS_MIN_TOKENS,
             HAS_PENALTIES,
@@ -431,6 +445,9 @@ def _check_sampling_args(logits: Tensor, args: dict[str, Tensor | None]) -> None
         if t is None and name != "temperature":  # the one required tensor
             continue
         check_tensor(name, t)
+        if name == "token_bitmask":
+            check_bitmask(logits, t, name)  # MASK-VALID-1
+            continue
         shape = [batch, vocab] if name in _PER_TOKEN else [batch]
         if list(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {list(t.shape)}")
@@ -492,6 +509,7 @@ def _launch(
         per_row("min_p", torch.float32, 0.0),
         per_row("seed", torch.int64, 0),
         per_row("step", torch.int64, 0),
+        per_token("token_bitmask"),
         per_token("logit_bias"),
         per_token("stop_token_mask"),
         per_row("min_tokens", torch.int64, 0),
@@ -502,6 +520,8 @@ def _launch(
         per_row("presence_penalty", torch.float32, 0.0),
         vocab,
         logits.stride(0),
+        1 if args.get("token_bitmask") is None else args["token_bitmask"].shape[1],
+        HAS_BITMASK=args.get("token_bitmask") is not None,
         HAS_BIAS=args.get("logit_bias") is not None,
         HAS_MIN_TOKENS=args.get("stop_token_mask") is not None,
         HAS_PENALTIES=args.get("prompt_mask") is not None,
@@ -648,6 +668,7 @@ def sample(
     min_p: Tensor | None = None,
     seed: Tensor | None = None,
     step: Tensor | None = None,
+    token_bitmask: Tensor | None = None,
     logit_bias: Tensor | None = None,
     stop_token_mask: Tensor | None = None,
     min_tokens: Tensor | None = None,
@@ -668,6 +689,8 @@ def sample(
         seed: `[batch]` int64 bit patterns of 64-bit seeds; required when a row
             has temperature > 0.
         step: `[batch]` int64 >= 0, tokens the row has generated (default 0).
+        token_bitmask: `[batch, words]` int32 grammar masks (MASK-SAMPLE-1),
+            applied first in the same pass; a row of −1 words allows every token.
         logit_bias: `[batch, vocab]` float in [-100, 100].
         stop_token_mask: `[batch, vocab]` bool, with `min_tokens` `[batch]` int.
         prompt_mask: `[batch, vocab]` bool, with `output_counts` `[batch,
@@ -708,6 +731,7 @@ def process_logits(
     top_p: Tensor | None = None,
     min_p: Tensor | None = None,
     step: Tensor | None = None,
+    token_bitmask: Tensor | None = None,
     logit_bias: Tensor | None = None,
     stop_token_mask: Tensor | None = None,
     min_tokens: Tensor | None = None,

@@ -30,6 +30,17 @@ BLOCK_SIZE = 1024
 
 
 @triton.jit
+def allowed_tokens(bitmask_row, tokens, in_vocab, words):  # noqa: ANN201 (a Triton block)
+    """Whether the bitmask row allows each of `tokens` (MASK-LAYOUT-1, MASK-WIDTH-1)."""
+    word_index = tokens // 32
+    # Tokens past the bitmask's words read the word 0: disallowed (MASK-WIDTH-1).
+    word = tl.load(bitmask_row + word_index, mask=in_vocab & (word_index < words), other=0)
+    # Bit t % 32 of the word, bit 0 the least significant; an arithmetic shift of a
+    # negative word fills with ones, which `& 1` drops (MASK-LAYOUT-1).
+    return ((word >> (tokens % 32).to(tl.int32)) & 1) != 0
+
+
+@triton.jit
 def _apply_token_bitmask_kernel(
     logits_ptr,
     bitmask_ptr,
@@ -50,19 +61,24 @@ def _apply_token_bitmask_kernel(
     # 64-bit token offsets: row · stride can pass 2^31 for a large batch × vocabulary.
     tokens = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_vocab = tokens < vocab
-    word_index = tokens // 32
-    # Tokens past the bitmask's words read the word 0: disallowed (MASK-WIDTH-1).
-    word = tl.load(
-        bitmask_ptr + row * bitmask_stride + word_index,
-        mask=in_vocab & (word_index < words),
-        other=0,
-    )
-    # Bit t % 32 of the word, bit 0 the least significant; an arithmetic shift of a
-    # negative word fills with ones, which `& 1` drops (MASK-LAYOUT-1).
-    allowed = ((word >> (tokens % 32).to(tl.int32)) & 1) != 0
+    allowed = allowed_tokens(bitmask_ptr + row * bitmask_stride, tokens, in_vocab, words)
     x = tl.load(logits_ptr + row * logits_stride + tokens, mask=in_vocab)
     masked = tl.where(allowed, x, tl.full([BLOCK], float("-inf"), x.dtype))
     tl.store(out_ptr + row * out_stride + tokens, masked, mask=in_vocab)
+
+
+def check_bitmask(logits: Tensor, bitmask: Tensor, name: str = "bitmask") -> None:
+    """MASK-VALID-1 for a `[batch, words]` bitmask of `[batch, vocab]` logits."""
+    batch = logits.shape[0]
+    if bitmask.dim() != 2 or bitmask.shape[0] != batch or bitmask.shape[1] < 1:
+        raise ValueError(
+            f"{name} must have shape [{batch}, words] (logits' batch, words >= 1), "
+            f"got {list(bitmask.shape)}"
+        )
+    if bitmask.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32 (32 tokens a word), got {bitmask.dtype}")
+    if bitmask.device != logits.device:
+        raise ValueError(f"{name} is on {bitmask.device}, logits on {logits.device}")
 
 
 def _check(logits: Tensor, bitmask: Tensor, indices: Tensor | None) -> None:
@@ -81,16 +97,7 @@ def _check(logits: Tensor, bitmask: Tensor, indices: Tensor | None) -> None:
             f"got {logits.dtype}"
         )
     check_vocabulary("logits", logits)
-    batch = logits.shape[0]
-    if bitmask.dim() != 2 or bitmask.shape[0] != batch or bitmask.shape[1] < 1:
-        raise ValueError(
-            f"bitmask must have shape [{batch}, words] (logits' batch, words >= 1), "
-            f"got {list(bitmask.shape)}"
-        )
-    if bitmask.dtype != torch.int32:
-        raise ValueError(f"bitmask must be int32 (32 tokens a word), got {bitmask.dtype}")
-    if bitmask.device != logits.device:
-        raise ValueError(f"bitmask is on {bitmask.device}, logits on {logits.device}")
+    check_bitmask(logits, bitmask)
     check_kernel_device("logits", logits)
     if indices is None:
         return
@@ -101,6 +108,7 @@ def _check(logits: Tensor, bitmask: Tensor, indices: Tensor | None) -> None:
         )
     if indices.device != logits.device:
         raise ValueError(f"indices is on {indices.device}, logits on {logits.device}")
+    batch = logits.shape[0]
     if indices.numel():
         low, high = int(indices.min()), int(indices.max())
         if low < 0 or high >= batch:

@@ -35,6 +35,7 @@ from .backend import check_backend_device, get_backend
 from .block_manager import BlockManager, NaiveBlockManager
 from .cache import PagedKVCache
 from .drafters import Drafter, make_drafter
+from .grammar import GrammarError, Grammars, StructuredOutput
 from .logits_state import LogitsState
 from .request import Draft, PassOutcome, Request, RequestOutput, RequestStepOutput
 from .runner import ModelRunner, NaiveModelRunner, PagedModelRunner
@@ -48,6 +49,13 @@ def _check_int(name: str, value: object, low: int) -> int:
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
+
+
+def _cut(draft: Draft, keep: int) -> Draft:
+    """The first `keep` tokens of a draft, with their distributions."""
+    if keep == len(draft.tokens):
+        return draft
+    return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep])
 
 
 class Engine:
@@ -117,6 +125,7 @@ class Engine:
         self.backend = get_backend(backend)
         check_backend_device(self.backend, weights.device)
         self.sampler = Sampler(self.backend, self.config.vocab_size, self.eos_token_ids)
+        self.grammars = Grammars(tokenizer, self.config.vocab_size)
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner
         if naive:
@@ -155,6 +164,7 @@ class Engine:
         params: SamplingParams,
         arrival: float | None = None,
         num_draft: int | None = None,
+        structured_output: StructuredOutput | None = None,
     ) -> int:
         """Queue a request; it joins the batch at the next step with room for it.
 
@@ -162,10 +172,14 @@ class Engine:
         time to first token starts: a server passes the moment the request came in.
         `num_draft` caps this request's drafts per step below the engine's K
         (0: no speculation for it); only an engine with a drafter takes one > 0.
+        `structured_output` constrains every token to a grammar (MASK-ADVANCE-1):
+        it is compiled here, before the request is queued.
 
         Raises:
             TypeError, ValueError: invalid parameters or prompt for this model
                 (PARAM-REQUEST-1), or a request the whole cache could never hold.
+            GrammarError: a structured output that does not compile, or one
+                with `ignore_eos` (its stop token is how a grammar ends).
         """
         prompt_ids = sampling_params.check_token_ids(
             "prompt_ids", prompt_ids, self.config.vocab_size
@@ -184,6 +198,15 @@ class Engine:
                 )
             if num_draft > self.num_draft:
                 raise ValueError(f"num_draft must be in [0, {self.num_draft}], got {num_draft}")
+        matcher = None
+        if structured_output is not None:
+            if params.ignore_eos:
+                raise GrammarError(
+                    "ignore_eos",
+                    "ignore_eos cannot be combined with a structured output: the grammar "
+                    "ends the output with the end-of-sequence token",
+                )
+            matcher = self.grammars.matcher(structured_output)
         params = sampling_params.resolve_seed(
             params, self.generator
         )  # the one place seeds are drawn
@@ -197,7 +220,7 @@ class Engine:
                 prompt_len=len(prompt_ids),
                 max_context=self.config.max_context,
             ),
-            logits_state=LogitsState(params, prompt_ids),
+            logits_state=LogitsState(params, prompt_ids, matcher=matcher),
             arrival=time.perf_counter() if arrival is None else arrival,
             num_draft=num_draft,
         )
@@ -282,6 +305,11 @@ class Engine:
             drafts = [Draft([]) for _ in batch]
         else:
             drafts = self.drafter.propose(batch, [r.draft_slots for r in batch])
+            # Drafts the grammar rejects are cut before verification (MASK-ADVANCE-1).
+            drafts = [
+                _cut(d, r.logits_state.grammar_prefix(d.tokens))
+                for r, d in zip(batch, drafts, strict=True)
+            ]
         return self.runner.run(batch, drafts, self.show_probs)
 
     def _pass_alone(self, request: Request, checkpoint: PassCheckpoint) -> PassOutcome:

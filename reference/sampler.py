@@ -26,6 +26,7 @@ from decodespec.spec import sampling
 from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.params import SamplingTensors, sampling_tensors
 from decodespec.spec.softmax import softmax
+from decodespec.spec.token_mask import bitmask_words
 
 from .backend import Backend
 from .logits_state import LogitsState
@@ -35,6 +36,10 @@ MODEL_INVALID = "the model produced NaN or infinite logits"
 PROCESSORS_INVALID = (
     "the request's logit processors (logit_bias, min_tokens, penalties) "
     "turned the model's valid logits invalid (NaN, +inf or all -inf)"
+)
+GRAMMAR_INVALID = (
+    "no token is left that the request's grammar allows (the model's logits there are "
+    "-inf, or min_tokens holds back the stop token of a complete grammar)"
 )
 
 
@@ -77,7 +82,15 @@ class Sampler:
     def tensors(
         self, states: Sequence[LogitsState], outputs: Sequence[list[int]], device: torch.device
     ) -> SamplingTensors:
-        """`sample`'s per-row tensors: row i has states[i]'s parameters after `outputs[i]`."""
+        """`sample`'s per-row tensors: row i has states[i]'s parameters after `outputs[i]`,
+        and its grammar's mask there (rows without a grammar allow every token)."""
+        bitmask = None
+        if any(state.matcher is not None for state in states):
+            words = bitmask_words(self.vocab_size)
+            bitmask = torch.full((len(states), words), -1, dtype=torch.int32)
+            for row, (state, output) in enumerate(zip(states, outputs, strict=True)):
+                if state.matcher is not None:
+                    state.fill_bitmask(bitmask[row], output)
         return sampling_tensors(
             [state.params for state in states],
             vocab_size=self.vocab_size,
@@ -85,6 +98,7 @@ class Sampler:
             output_token_ids=list(outputs),
             eos_token_ids=self.eos_token_ids,
             device=device,
+            token_bitmask=bitmask,
         )
 
     # -- the stage functions, row by row, with invalid rows as reasons
@@ -94,7 +108,7 @@ class Sampler:
         try:
             return self.backend.sample(logits, **tensors), [None] * len(logits)
         except self.backend.invalid_logits_error as error:
-            return error.tokens.clamp(min=0), invalid_reasons(logits, error.rows)
+            return error.tokens.clamp(min=0), invalid_reasons(logits, error.rows, tensors)
 
     def process(self, logits: Tensor, tensors: SamplingTensors) -> tuple[Tensor, list[str | None]]:
         """The logits each row's token is drawn from (steps 1-8), and per row None or
@@ -103,7 +117,7 @@ class Sampler:
         try:
             return self.backend.process_logits(logits, **args), [None] * len(logits)
         except self.backend.invalid_logits_error as error:
-            reasons = invalid_reasons(logits, error.rows)
+            reasons = invalid_reasons(logits, error.rows, tensors)
             good = [i for i, reason in enumerate(reasons) if reason is None]
             processed = logits.to(torch.promote_types(logits.dtype, torch.float32)).clone()
             if good:
@@ -312,13 +326,21 @@ class Sampler:
         ]
 
 
-def invalid_reasons(logits: Tensor, bad_rows: list[int]) -> list[str | None]:
+def invalid_reasons(
+    logits: Tensor, bad_rows: list[int], tensors: SamplingTensors
+) -> list[str | None]:
     """Why each of `bad_rows` is invalid (None for the other rows): the model's
-    logits, or the parameters that turned valid logits into invalid ones."""
+    logits, the grammar, or the parameters that turned valid logits into invalid ones."""
     reasons: list[str | None] = [None] * len(logits)
     if not bad_rows:
         return reasons
     raw_bad = sampling.invalid_rows(logits[bad_rows].float()).tolist()
+    bitmask = tensors.token_bitmask
     for row, model_fault in zip(bad_rows, raw_bad, strict=True):
-        reasons[row] = MODEL_INVALID if model_fault else PROCESSORS_INVALID
+        if model_fault:
+            reasons[row] = MODEL_INVALID
+        elif bitmask is not None and bool((bitmask[row] != -1).any()):
+            reasons[row] = GRAMMAR_INVALID
+        else:
+            reasons[row] = PROCESSORS_INVALID
     return reasons

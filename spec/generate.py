@@ -48,6 +48,17 @@ random-number counter of SAMPLE-RNG-2 and the min_tokens clock), penalties
 that see the prompt and the output so far. A `sample` passed to `generate`
 is called exactly so, once per step.
 
+[LOOP-GRAMMAR-1] A constrained request (`generate(..., matcher=m)`, a
+`TokenMatcher`, MASK-MATCHER-1) is the same loop with the grammar's mask at
+every step: step t's tensors carry `token_bitmask`, the `[1, ceil(V / 32)]`
+int32 row `m.fill_bitmask` writes after the first t output tokens
+(MASK-SAMPLE-1), and the chosen token is accepted into the matcher before the
+step is streamed (MASK-ADVANCE-1); a token the matcher refuses raises
+ValueError (the mask allowed it, so the matcher and its mask disagree). A
+grammar ends the output with its stop token, so `ignore_eos` with a matcher
+is a ValueError at the start (LOOP-REQUEST-1). The step whose mask leaves
+nothing is invalid (LOOP-VALID-1, MASK-MINTOK-1).
+
 [LOOP-LOGPROB-1] When `params.top_logprobs` is not None, a step's
 `TokenLogprobs` are `compute_logprobs(L, [token], top_logprobs)`, with L the
 step's raw logits (mode "raw", LOGPROB-RAW-1) or `process_logits` of them
@@ -85,6 +96,7 @@ from .attention import paged_attention
 from .forward import ModelWeights, PagedBatch, forward_cached
 from .params import SamplingParams, SamplingTensors, sampling_tensors, validate_request
 from .stop import FinishReason, StopChecker
+from .token_mask import TokenMatcher, bitmask_words
 
 KVCache = list[tuple[Tensor, Tensor]]
 
@@ -198,6 +210,7 @@ def generate(
     sample: Callable[..., Tensor] = sampling.sample,
     process_logits: Callable[..., Tensor] = sampling.process_logits,
     compute_logprobs: Callable[..., sampling.Logprobs] = sampling.compute_logprobs,
+    matcher: TokenMatcher | None = None,
 ) -> Iterator[StepOutput]:
     """Generate one request, streaming one `StepOutput` per token (the LOOP clauses).
 
@@ -213,6 +226,7 @@ def generate(
         eos_token_ids: the model's end-of-sequence ids.
         token_bytes: the bytes of a token id (the text, STOP-UTF8-1).
         block_size: positions per block of the request's cache, >= 1.
+        matcher: the request's grammar, fresh (LOOP-GRAMMAR-1); None: unconstrained.
 
     Raises:
         ValueError: an invalid request, or no seed (LOOP-REQUEST-1).
@@ -232,6 +246,8 @@ def generate(
         raise ValueError("temperature > 0 needs a seed: resolve the seed first (resolve_seed)")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if matcher is not None and params.ignore_eos:
+        raise ValueError("ignore_eos cannot be combined with a grammar (LOOP-GRAMMAR-1)")
     eos = tuple(eos_token_ids)
     stop = StopChecker(
         params,
@@ -249,6 +265,10 @@ def generate(
     logits = prefill(weights, kv_cache, prompt, attention=attention, append=append)
     output: list[int] = []
     while True:
+        bitmask = None
+        if matcher is not None:
+            bitmask = torch.empty(1, bitmask_words(config.vocab_size), dtype=torch.int32)
+            matcher.fill_bitmask(bitmask[0])
         tensors = sampling_tensors(
             [params],
             vocab_size=config.vocab_size,
@@ -256,8 +276,11 @@ def generate(
             output_token_ids=[output],
             eos_token_ids=eos,
             device=logits.device,
+            token_bitmask=bitmask,
         )
         token = int(sample(logits[None], **tensors)[0])
+        if matcher is not None and not matcher.accept_token(token):
+            raise ValueError(f"step {len(output)}: the matcher refuses token {token}")
         logprobs = token_logprobs(logits, token, params, tensors, process_logits, compute_logprobs)
         output.append(token)
         delta = stop.append(token)

@@ -465,6 +465,7 @@ class SamplingTensors(Mapping[str, Tensor]):
     min_p: Tensor
     seed: Tensor
     step: Tensor
+    token_bitmask: Tensor | None = None
     logit_bias: Tensor | None = None
     stop_token_mask: Tensor | None = None
     min_tokens: Tensor | None = None
@@ -508,12 +509,15 @@ def sampling_tensors(
     output_token_ids: Sequence[Sequence[int]],
     eos_token_ids: Iterable[int] = (),
     device: torch.device | str = "cpu",
+    token_bitmask: Tensor | None = None,
 ) -> SamplingTensors:
     """The per-row tensors `sample` takes, for a batch of requests.
 
     Optional tensors are left out when no row needs them, so the common case
     (no bias, no penalties, no min_tokens) reads nothing of size vocab.
     Seeds must be resolved first (`resolve_seed`) for rows that sample.
+    `token_bitmask`, the rows' grammar masks filled by their matchers
+    (MASK-SAMPLE-1), is passed through as it is, moved to `device`.
 
     Returns:
         the tensors, to pass as `sample(logits, **tensors)`.
@@ -537,6 +541,8 @@ def sampling_tensors(
         "seed": per_row([seed_to_int64(p.seed or 0) for p in params], torch.int64),
         "step": per_row([len(out) for out in output_token_ids], torch.int64),
     }
+    if token_bitmask is not None:
+        tensors["token_bitmask"] = token_bitmask.to(device)
     if any(p.logit_bias for p in params):
         bias = torch.zeros(batch, vocab_size, dtype=torch.float32)
         for row, p in enumerate(params):

@@ -270,6 +270,7 @@ FEATURES: dict[str, str] = {
     "float64": "float64 inputs",
     "float16": "float16 inputs",
     "bfloat16": "bfloat16 inputs",
+    "token_bitmask": "a grammar's token bitmask in sample and process_logits",
     "logit_bias": "per-row logit bias in sample",
     "min_tokens": "min_tokens masking in sample",
     "penalties": "repetition, frequency and presence penalties in sample",

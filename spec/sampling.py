@@ -136,6 +136,7 @@ from .softmax import (
     log_softmax,
     softmax,
 )
+from .token_mask import apply_token_bitmask, check_bitmask
 
 # ---------------------------------------------------------------------------
 # Validity
@@ -296,6 +297,9 @@ def _check_sampling_tensors(logits: Tensor, tensors: Mapping[str, Tensor | None]
     for name, t in tensors.items():
         if t is None and name not in _REQUIRED:
             continue
+        if name == "token_bitmask":
+            check_bitmask(logits, t, name)  # MASK-VALID-1
+            continue
         check_tensor(name, t)  # SAMPLE-VALID-3
         shape = [batch, vocab] if name in _PER_TOKEN else [batch]
         if list(t.shape) != shape:
@@ -345,6 +349,9 @@ def _processed(logits: Tensor, args: dict[str, Tensor | None]) -> tuple[Tensor, 
     if args["min_p"] is None:
         args["min_p"] = torch.zeros(batch, dtype=torch.float32, device=device)
     processors = {k: v for k, v in args.items() if k not in _CHOICE_ARGS}
+    bitmask = processors.pop("token_bitmask")
+    if bitmask is not None:  # the grammar's mask comes first (MASK-ORDER-1)
+        logits = apply_token_bitmask(logits, bitmask)
     z = apply_logit_processors(logits, **processors)
     return z, invalid_rows(z), args
 
@@ -364,6 +371,7 @@ def process_logits(
     top_p: Tensor | None = None,
     min_p: Tensor | None = None,
     step: Tensor | None = None,
+    token_bitmask: Tensor | None = None,
     logit_bias: Tensor | None = None,
     stop_token_mask: Tensor | None = None,
     min_tokens: Tensor | None = None,
@@ -373,7 +381,7 @@ def process_logits(
     frequency_penalty: Tensor | None = None,
     presence_penalty: Tensor | None = None,
 ) -> Tensor:
-    """The logits the token is drawn from: steps 1-8 of the pipeline (LOGPROB-RAW-1).
+    """The logits the token is drawn from: the mask and steps 1-8 (LOGPROB-RAW-1).
 
     Same arguments as `sample`, without the seed. Sampled rows come back
     scaled and filtered (removed tokens at −inf); greedy rows come back
@@ -406,6 +414,7 @@ def sample(
     min_p: Tensor | None = None,
     seed: Tensor | None = None,
     step: Tensor | None = None,
+    token_bitmask: Tensor | None = None,
     logit_bias: Tensor | None = None,
     stop_token_mask: Tensor | None = None,
     min_tokens: Tensor | None = None,
@@ -417,10 +426,10 @@ def sample(
 ) -> Tensor:
     """Draw one token per row: the whole sampling pipeline, fused.
 
-    Processors (LOGITS-ORDER-1), validity (SAMPLE-VALID-1, SAMPLE-VALID-2),
-    greedy (SAMPLE-GREEDY-1) or temperature, top-k, top-p and min-p
-    (SAMPLE-ORDER-1), and the Gumbel-max choice with Philox noise
-    (SAMPLE-CHOICE-1, SAMPLE-RNG-2). Optional tensors left as None disable
+    The grammar's mask (MASK-SAMPLE-1), processors (LOGITS-ORDER-1),
+    validity (SAMPLE-VALID-1, SAMPLE-VALID-2), greedy (SAMPLE-GREEDY-1) or
+    temperature, top-k, top-p and min-p (SAMPLE-ORDER-1), and the Gumbel-max
+    choice with Philox noise (SAMPLE-CHOICE-1, SAMPLE-RNG-2). Optional tensors left as None disable
     their stage; `sampling_tensors` builds all of them from `SamplingParams`.
 
     Args:
@@ -433,6 +442,9 @@ def sample(
             row has temperature > 0.
         step: `[batch]` int64 >= 0, tokens each row has generated so far (the
             random-number counter and the min_tokens clock); default 0.
+        token_bitmask: `[batch, words]` int32, each row's grammar mask
+            (MASK-LAYOUT-1), applied to the raw logits first (MASK-SAMPLE-1);
+            a row of −1 words allows every token.
         logit_bias: `[batch, vocab]` float in [-100, 100].
         stop_token_mask: `[batch, vocab]` bool, the row's stop ids; goes with
             `min_tokens`, `[batch]` int >= 0.

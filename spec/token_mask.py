@@ -60,6 +60,45 @@ own, unmasked; "processed" ones include the mask. Among other engines, vLLM
 masks the raw logits too, SGLang masks after the penalties, and llama.cpp
 masks only when the token its chain sampled is rejected.
 
+[MASK-SAMPLE-1] `sample` and `process_logits` (`decodespec.spec.sampling`)
+take an optional `token_bitmask`, `[batch, words]` int32, and apply it to
+the raw logits before every other step, exactly as
+`apply_token_bitmask(logits, token_bitmask)` would (MASK-ORDER-1), in the
+same pass. A row without a grammar in a constrained batch has every bit set
+(`ceil(V / 32)` words of −1), so it samples as it would unmasked; None masks
+no row. A disallowed token stays −inf through the processors: bias adds a
+finite value, min_tokens adds −inf, and the penalties scale or shift it by
+finite amounts.
+
+[MASK-MINTOK-1] min_tokens still holds the stop tokens back under a grammar.
+When the grammar is complete and allows only stop tokens while the request
+is shorter than min_tokens, nothing is left: the row is invalid
+(SAMPLE-VALID-1) and the request fails with an error, never a token outside
+the grammar and never a silent EOS. A grammar that allows more tokens after a
+complete string (trailing whitespace) goes on with those.
+
+[MASK-MATCHER-1] A request's grammar is a matcher (`TokenMatcher`):
+`fill_bitmask` writes the mask of the request's next token, `accept_token`
+advances it by a token (False, and no change, for a token it does not
+allow), and `rollback(n)` undoes the last n accepted tokens. Its stop tokens
+(the model's EOS ids) are allowed exactly when the output so far is a
+complete string of the language; accepting one terminates the matcher, which
+then allows nothing.
+
+[MASK-ADVANCE-1] A constrained request's matcher advances with every token
+the request emits and only with those. A speculative draft is accepted into
+the matcher to fill the masks of the rows after it, and rolled back before
+the tokens are chosen; a draft token the matcher rejects is cut from the
+draft, with every draft token after it, before verification (the target's
+masked distribution gives such a token probability 0, so verification would
+reject it anyway: cutting a deterministic draft there changes no
+distribution, and a model drafter draws its drafts from masked distributions,
+which never leave the grammar). The finish reason is the stop checker's:
+"stop" when the grammar's stop token is emitted (or a user stop fires
+first), "length" when max_tokens or the context runs out before the grammar
+is complete; the output is then the partial text, which is no complete
+string of the language.
+
 [MASK-VALID-1] Invalid arguments raise `ValueError` naming the argument:
 `logits` `[batch, vocab]` with a floating-point dtype and at least one
 column (SAMPLE-VALID-3); `bitmask` 2-D `[batch, words]` with logits' batch,
@@ -73,6 +112,8 @@ tensor on logits' device. An argument that is not a `torch.Tensor` raises
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -124,12 +165,10 @@ def allowed_token_mask(bitmask: Tensor, vocab_size: int) -> Tensor:
     return allowed
 
 
-def _check_mask_args(logits: Tensor, bitmask: Tensor, indices: Tensor | None) -> None:
-    """MASK-VALID-1."""
+def check_bitmask(logits: Tensor, bitmask: Tensor, name: str = "bitmask") -> None:
+    """MASK-VALID-1 for `logits` `[batch, vocab]` and its `bitmask` `[batch, words]`."""
     check_tensor("logits", logits)
-    check_tensor("bitmask", bitmask)
-    if indices is not None:
-        check_tensor("indices", indices)
+    check_tensor(name, bitmask)
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {list(logits.shape)}")
     if not logits.dtype.is_floating_point:
@@ -138,22 +177,25 @@ def _check_mask_args(logits: Tensor, bitmask: Tensor, indices: Tensor | None) ->
     batch = logits.shape[0]
     if bitmask.dim() != 2 or bitmask.shape[0] != batch or bitmask.shape[1] < 1:
         raise ValueError(
-            f"bitmask must have shape [{batch}, words] (logits' batch, words >= 1), "
+            f"{name} must have shape [{batch}, words] (logits' batch, words >= 1), "
             f"got {list(bitmask.shape)}"
         )
     if bitmask.dtype != torch.int32:
-        raise ValueError(f"bitmask must be int32 (32 tokens a word), got {bitmask.dtype}")
+        raise ValueError(f"{name} must be int32 (32 tokens a word), got {bitmask.dtype}")
     if bitmask.device != logits.device:
-        raise ValueError(f"bitmask is on {bitmask.device}, logits on {logits.device}")
-    if indices is None:
-        return
+        raise ValueError(f"{name} is on {bitmask.device}, logits on {logits.device}")
+
+
+def _check_indices(indices: Tensor, batch: int, device: torch.device) -> None:
+    """MASK-VALID-1 for `indices`."""
+    check_tensor("indices", indices)
     if indices.dim() != 1 or indices.dtype not in INDEX_DTYPES:
         raise ValueError(
             f"indices must be a 1-D int32 or int64 tensor of rows, got shape "
             f"{list(indices.shape)} and {indices.dtype}"
         )
-    if indices.device != logits.device:
-        raise ValueError(f"indices is on {indices.device}, logits on {logits.device}")
+    if indices.device != device:
+        raise ValueError(f"indices is on {indices.device}, logits on {device}")
     outside = (indices < 0) | (indices >= batch)
     if bool(outside.any()):
         bad = int(indices[outside][0])
@@ -196,8 +238,12 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, indices: Tensor | None 
         tensor([[1., -inf, nan],
                 [-inf, -inf, -inf]])
     """
-    _check_mask_args(logits, bitmask, indices)
+    if indices is not None:
+        check_tensor("indices", indices)
+    check_bitmask(logits, bitmask)
     batch, vocab = logits.shape
+    if indices is not None:
+        _check_indices(indices, batch, logits.device)
     rows = torch.zeros(batch, dtype=torch.bool, device=logits.device)
     if indices is None:
         rows[:] = True
@@ -205,3 +251,88 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, indices: Tensor | None 
         rows[indices.to(torch.int64)] = True
     allowed = allowed_token_mask(bitmask, vocab) | ~rows[:, None]
     return logits.masked_fill(~allowed, -math.inf)
+
+
+# ---------------------------------------------------------------------------
+# Matchers
+
+
+class TokenMatcher(Protocol):
+    """A request's grammar, token by token (MASK-MATCHER-1).
+
+    The engine's matchers wrap a grammar library (xgrammar); `ChoiceMatcher`
+    is the spec's own, small enough to read.
+    """
+
+    def fill_bitmask(self, bitmask: Tensor) -> None:
+        """Write the allowed next tokens into `bitmask`, one `[words]` int32 row."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by `token_id`; False (and no change) if the grammar disallows it."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+
+    def is_terminated(self) -> bool:
+        """Whether a stop token was accepted."""
+
+
+class ChoiceMatcher:
+    """The language of a few token sequences, each ended by a stop token (MASK-MATCHER-1).
+
+    The next tokens allowed are those that continue some choice; a stop token
+    is allowed once the output is a whole choice, and accepting it
+    terminates the matcher.
+
+    Example:
+        >>> matcher = ChoiceMatcher([[5, 6], [5]], stop_token_ids=[0], vocab_size=8)
+        >>> row = torch.zeros(1, dtype=torch.int32)
+        >>> matcher.fill_bitmask(row); allowed_token_mask(row[None], 8)[0].nonzero().flatten()
+        tensor([5])
+        >>> matcher.accept_token(5), matcher.accept_token(7)
+        (True, False)
+        >>> matcher.fill_bitmask(row); allowed_token_mask(row[None], 8)[0].nonzero().flatten()
+        tensor([0, 6])
+    """
+
+    def __init__(
+        self, choices: Iterable[Sequence[int]], stop_token_ids: Iterable[int], vocab_size: int
+    ) -> None:
+        self.choices = [tuple(int(t) for t in choice) for choice in choices]
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.vocab_size = vocab_size
+        self.accepted: list[int] = []
+        self._terminated = False
+
+    def _allowed(self) -> set[int]:
+        if self._terminated:
+            return set()
+        n = len(self.accepted)
+        prefix = tuple(self.accepted)
+        allowed = {c[n] for c in self.choices if len(c) > n and c[:n] == prefix}
+        if prefix in self.choices:
+            allowed |= self.stop_token_ids
+        return allowed
+
+    def fill_bitmask(self, bitmask: Tensor) -> None:
+        words = torch.zeros(bitmask.shape[-1], dtype=torch.int64)
+        for token in self._allowed():
+            words[token // 32] |= 1 << (token % 32)
+        # int32 words are raw bits (MASK-LAYOUT-1): bit 31 is the sign bit.
+        bitmask.copy_(torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id not in self._allowed():
+            return False
+        self.accepted.append(token_id)
+        self._terminated = token_id in self.stop_token_ids
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= len(self.accepted):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self.accepted)} tokens")
+        del self.accepted[len(self.accepted) - num_tokens :]
+        self._terminated = bool(self.accepted) and self.accepted[-1] in self.stop_token_ids
+
+    def is_terminated(self) -> bool:
+        return self._terminated

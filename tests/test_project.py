@@ -111,6 +111,7 @@ def test_no_import_cycles_between_modules(package):
 # requests and the block manager, never the runner or the drafters; the sampler is
 # called by the runner and the drafters, and calls nothing above it.
 ENGINE_LAYERS = {
+    "grammar": {"tokenizer"},
     "logits_state": set(),
     "request": {"block_allocator", "logits_state"},
     "block_manager": {"block_allocator", "request"},

@@ -600,6 +600,7 @@ def test_sample_rejects_bad_shapes_and_missing_seed(impl):
 # The processor arguments of `sample` and `process_logits`: each comes with the
 # others of its group, and the group with the optional feature it needs.
 PROCESSOR_GROUPS = (
+    (("token_bitmask",), "token_bitmask"),
     (("logit_bias",), "logit_bias"),
     (("stop_token_mask", "min_tokens"), "min_tokens"),
     (
@@ -646,6 +647,12 @@ def valid_sample_args(impl, name: str | None = None, batch: int = 2, vocab: int 
         "step": rows([0, 4], torch.int64),
     }
     processors = {
+        # Row 0 allows every token (a row without a grammar), row 1 every other token.
+        "token_bitmask": per_token(
+            torch.tensor([-1, 0x55555555], dtype=torch.int32)[:batch, None].expand(
+                batch, max(1, (vocab + 31) // 32)
+            )
+        ),
         "logit_bias": per_token(torch.rand(batch, vocab, generator=g) * 4 - 2),
         "stop_token_mask": per_token(torch.rand(batch, vocab, generator=g) < 0.3),
         "min_tokens": rows([2, 0], torch.int64),

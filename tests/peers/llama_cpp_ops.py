@@ -66,6 +66,8 @@ PEER = {
 CONFORMANCE_UNSUPPORTED = {
     "float64": "llama.cpp's candidates (llama_token_data.logit) are C floats: float32 only",
     "min_tokens": "llama.cpp has no min_tokens sampler (process_logits cannot take stop ids)",
+    "token_bitmask": "llama.cpp's grammar sampler takes a GBNF grammar, not a bitmask, and "
+    "applies it only when the chain's token is rejected (tests/peers/test_mask_order.py)",
 }
 
 # llama_token_data: {int32 id; float logit; float p}

@@ -27,7 +27,7 @@ def test_peer_description():
     assert ops.PEER["name"] == "llama.cpp"
     assert ops.PEER["package"] == "llama_cpp_python"
     assert "llama_sampler_apply" in ops.PEER["functions"]
-    assert set(ops.CONFORMANCE_UNSUPPORTED) == {"float64", "min_tokens"}
+    assert set(ops.CONFORMANCE_UNSUPPORTED) == {"float64", "min_tokens", "token_bitmask"}
     for missing in ("sample", "uniform", "apply_min_tokens"):
         assert not hasattr(ops, missing)
 

@@ -45,6 +45,8 @@ PEER = {
 }
 CONFORMANCE_UNSUPPORTED = {
     "float64": "generate casts the logits to float32 before any processor runs",
+    "token_bitmask": "generate has no bitmask input (PrefixConstrainedLogitsProcessor takes a "
+    "function of the ids)",
 }
 
 # The history a processor sees: generate passes prompt and output ids; the
