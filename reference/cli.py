@@ -29,6 +29,7 @@ from decodespec.spec.softmax import softmax
 from . import loader
 from .backend import BACKENDS, SERVE_BACKEND, get_backend
 from .engine import Engine
+from .grammar import StructuredOutput
 from .model_files import bundled_model_path
 from .request import RequestOutput
 from .tokenizer import Tokenizer
@@ -167,9 +168,44 @@ def _speculation(spec: str | None) -> tuple[str | None, str | None]:
     raise ValueError(f"--speculate must be ngram, layers:N or model:PATH, got {spec!r}")
 
 
+def structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    """The structured-output flag given, its file read and its JSON parsed (what can be
+    checked without the model; the engine compiles it against the vocabulary)."""
+    if args.json_object:
+        return StructuredOutput("json_object", field="--json-object")
+    if args.regex is not None:
+        return StructuredOutput("regex", source=args.regex, field="--regex")
+    if args.choice:
+        return StructuredOutput("choice", choices=tuple(args.choice), field="--choice")
+    if args.grammar is not None:
+        return StructuredOutput(
+            "grammar", source=_read(args.grammar, "--grammar"), field="--grammar"
+        )
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):  # a file's name, not the schema itself
+        text = _read(text, "--json-schema")
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--json-schema: not JSON: {error}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("--json-schema: a JSON Schema is a JSON object")
+    return StructuredOutput.json_schema(schema, field="--json-schema")
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: {error.strerror or error}") from None
+
+
 def generate(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model fails before it loads.
     params = _params(args)
+    constraint = structured_output(args)
     if args.raw and args.system is not None:
         raise ValueError("--system needs the chat template: it cannot be used with --raw")
     speculate, draft_path = _speculation(args.speculate)
@@ -198,7 +234,7 @@ def generate(args: argparse.Namespace) -> int:
     failed = False
     for prompt in args.prompt:  # one engine: a later prompt reuses the earlier ones' prefix
         ids = prompt_ids(tokenizer, prompt, args.raw, args.system)
-        out = _answer(engine, tokenizer, ids, params, args, speculate is not None)
+        out = _answer(engine, tokenizer, ids, params, constraint, args, speculate is not None)
         failed = failed or out.error is not None
     return 1 if failed else 0
 
@@ -208,12 +244,13 @@ def _answer(
     tokenizer: Tokenizer,
     ids: list[int],
     params: SamplingParams,
+    constraint: StructuredOutput | None,
     args: argparse.Namespace,
     speculating: bool,
 ) -> RequestOutput:
     """Stream one prompt's answer (or print its JSON line) and its statistics line."""
     request_id = None
-    for event in engine.generate(ids, params):
+    for event in engine.generate(ids, params, constraint):
         request_id = event.request_id
         if args.json:
             continue
@@ -410,6 +447,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--num-draft", type=int, default=4, metavar="K", help="draft tokens per step (default 4)"
+    )
+    constraint = gen.add_argument_group(
+        "structured output", "constrain every token to a grammar (at most one of these)"
+    ).add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", metavar="FILE|JSON", help="JSON that fits this JSON Schema"
+    )
+    constraint.add_argument("--json-object", action="store_true", help="any JSON object")
+    constraint.add_argument("--regex", metavar="REGEX", help="text this regular expression matches")
+    constraint.add_argument(
+        "--grammar", metavar="FILE", help="text of this EBNF grammar (xgrammar's GBNF, rule root)"
+    )
+    constraint.add_argument(
+        "--choice", action="append", metavar="TEXT", help="one of these strings (repeatable)"
     )
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")

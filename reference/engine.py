@@ -256,12 +256,15 @@ class Engine:
         return RequestOutput.of(self._request(request_id))
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        structured_output: StructuredOutput | None = None,
     ) -> Iterator[RequestStepOutput]:
         """Stream one request's step outputs; other requests advance alongside, and
         several streams may be read in turns (each gets all of its outputs). Closing
         the generator early aborts the request."""
-        request_id = self.add_request(prompt_ids, params)
+        request_id = self.add_request(prompt_ids, params, structured_output=structured_output)
         pending = self._streams[request_id] = deque()
         try:
             while pending or self.requests[request_id].finish_reason is None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from decodespec.spec.params import SamplingParams
 
 from .engine import Engine
+from .grammar import StructuredOutput
 from .request import RequestOutput, RequestStepOutput
 
 log = logging.getLogger("decodespec.serve")
@@ -63,6 +64,7 @@ class _Add:
     params: SamplingParams
     arrival: float
     num_draft: int | None
+    structured_output: StructuredOutput | None
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future[Stream]
 
@@ -97,9 +99,10 @@ class EngineLoop:
         params: SamplingParams,
         arrival: float | None = None,
         num_draft: int | None = None,
+        structured_output: StructuredOutput | None = None,
     ) -> Stream:
-        """Queue a request; its `Stream` once the engine has accepted it. `arrival`
-        and `num_draft` are `Engine.add_request`'s.
+        """Queue a request; its `Stream` once the engine has accepted it. `arrival`,
+        `num_draft` and `structured_output` are `Engine.add_request`'s.
 
         Raises:
             TypeError, ValueError: the engine refused the request (`Engine.add_request`).
@@ -110,7 +113,8 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[Stream] = loop.create_future()
         arrival = time.perf_counter() if arrival is None else arrival
-        self._send(_Add(list(prompt_ids), params, arrival, num_draft, loop, accepted))
+        add = _Add(list(prompt_ids), params, arrival, num_draft, structured_output, loop, accepted)
+        self._send(add)
         return await accepted
 
     def abort(self, request_id: int) -> None:
@@ -164,7 +168,7 @@ class EngineLoop:
     def _add(self, add: _Add) -> None:
         try:
             request_id = self.engine.add_request(
-                add.prompt_ids, add.params, add.arrival, add.num_draft
+                add.prompt_ids, add.params, add.arrival, add.num_draft, add.structured_output
             )
         except (TypeError, ValueError) as error:
             _call(add.loop, self._settle, add.accepted, None, error)

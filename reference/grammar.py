@@ -48,6 +48,11 @@ KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "grammar", "ch
 # in its size, and it runs before the request is queued, on the server's engine thread.
 MAX_SOURCE_BYTES = 64 * 1024
 MAX_CHOICES = 256
+# JSON's layout: any whitespace between tokens, as JSON allows and as models write it
+# (a newline and an indent after "{"), but at most this much in one place, so that a
+# model cannot spend its max_tokens on spaces. Compact-only JSON (no whitespace) drives
+# a small model off what it learned: SmolLM2-135M wrote `{", ": 1174…` under it.
+JSON_FORMAT = {"any_whitespace": True, "max_whitespace_cnt": 24}
 
 # xgrammar's C++ errors start with a time stamp and a source location:
 # "[11:38:31] /project/cpp/regex_converter.cc:83: Regex parsing error ...".
@@ -115,10 +120,16 @@ class GrammarMatcher:
         self._matcher = matcher
 
     def fill_bitmask(self, bitmask: Tensor) -> None:
-        """Write the allowed next tokens into a `[words]` int32 row (MASK-LAYOUT-1)."""
-        self._matcher.fill_next_token_bitmask(bitmask[None], 0)
+        """Write the allowed next tokens into a `[words]` int32 row (MASK-LAYOUT-1);
+        none once a stop token was accepted (xgrammar raises there instead)."""
+        if self._matcher.is_terminated():
+            bitmask.zero_()
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask[None], 0)
 
     def accept_token(self, token_id: int) -> bool:
+        if self._matcher.is_terminated():
+            return False
         return bool(self._matcher.accept_token(token_id))
 
     def rollback(self, num_tokens: int) -> None:
@@ -166,9 +177,9 @@ class Grammars:
         compiler = self._xgrammar_compiler()
         try:
             if output.kind == "json_schema":
-                compiled = compiler.compile_json_schema(output.source, any_whitespace=False)
+                compiled = compiler.compile_json_schema(output.source, **JSON_FORMAT)
             elif output.kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                compiled = compiler.compile_json_schema('{"type": "object"}', **JSON_FORMAT)
             elif output.kind == "regex":
                 compiled = compiler.compile_regex(output.source)
             elif output.kind == "grammar":

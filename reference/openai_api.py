@@ -16,6 +16,9 @@ as extra body fields, as vLLM accepts them: `top_k`, `min_p`,
 the one the token was drawn from, after penalties, temperature and filters),
 and, on a server started with a drafter (`--speculate`), `num_draft`: at
 most this many draft tokens per step for the request (0: none).
+Structured outputs: OpenAI's `response_format` (json_object, json_schema) and
+vLLM's `structured_outputs` (json, regex, grammar, choice) and `guided_*`
+(`structured_api.py`).
 Each response carries two more fields: `seed` (the one used, drawn when the
 request had none) and `timing` (time to first token, inter-token latencies
 and tokens per second, measured from the moment the request arrived).
@@ -34,7 +37,10 @@ from decodespec.spec.checks import ContextLengthError, ParameterError
 from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.params import PARAMETERS, SamplingParams, validate_request
 
+from .grammar import GrammarError, StructuredOutput
 from .request import RequestOutput, RequestStepOutput
+from .structured_api import FIELDS as STRUCTURED_FIELDS
+from .structured_api import parse_structured_output
 from .tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat"]
@@ -43,7 +49,16 @@ Kind = Literal["completion", "chat"]
 PARAMETER_FIELDS = {p.api: name for name, p in PARAMETERS.items() if p.api is not None}
 # Fields the endpoints take. OpenAI rejects a field it does not know; so does
 # this server, so that a typo ("top-p") is an error and not a silent default.
-COMMON_FIELDS = {"model", "stream", "stream_options", "n", "user", "num_draft", *PARAMETER_FIELDS}
+COMMON_FIELDS = {
+    "model",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "num_draft",
+    *PARAMETER_FIELDS,
+    *STRUCTURED_FIELDS,
+}
 FIELDS = {
     "completion": COMMON_FIELDS | {"prompt", "logprobs", "echo"},
     "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
@@ -97,6 +112,7 @@ class APIRequest:
     logprobs: bool
     model: str
     num_draft: int | None = None  # speculative decoding: this request's cap on drafts
+    structured_output: StructuredOutput | None = None  # its grammar (`structured_api.py`)
 
 
 # ---------------------------------------------------------------- parsing
@@ -190,7 +206,13 @@ def parse_request(
         else:
             message = f"num_draft must be in [0, {max_draft}], got {num_draft}"
         raise bad_param("num_draft", message)
-    return APIRequest(kind, prompt_ids, params, stream, include_usage, logprobs, model, num_draft)
+    try:
+        structured = parse_structured_output(body)
+    except GrammarError as error:
+        raise bad_param(error.param, str(error)) from None
+    return APIRequest(
+        kind, prompt_ids, params, stream, include_usage, logprobs, model, num_draft, structured
+    )
 
 
 def refusal(error: ParameterError, names: Mapping[str, str]) -> APIError:

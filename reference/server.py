@@ -41,6 +41,7 @@ from decodespec.spec.checks import ParameterError
 from .block_manager import CacheCapacityError
 from .engine import Engine
 from .engine_loop import EngineLoop, Stream
+from .grammar import GrammarError
 from .openai_api import (
     APIError,
     APIRequest,
@@ -175,7 +176,11 @@ class OpenAIServer:
         if self.loop is None:
             raise APIError(503, "the engine is not running", type="server_error")
         try:
-            return await self.loop.submit(api.prompt_ids, api.params, arrival, api.num_draft)
+            return await self.loop.submit(
+                api.prompt_ids, api.params, arrival, api.num_draft, api.structured_output
+            )
+        except GrammarError as error:  # compiled by the engine when the request is added
+            raise bad_param(error.param, str(error)) from None
         except ParameterError as error:  # the spec's checks, which the engine runs again
             raise refusal(error, {}) from None
         except CacheCapacityError as error:

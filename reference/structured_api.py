@@ -1,0 +1,119 @@
+"""The structured-output fields of an OpenAI request body, as a `StructuredOutput`.
+
+OpenAI's `response_format`:
+- `{"type": "text"}`: unconstrained (the default);
+- `{"type": "json_object"}`: any JSON object;
+- `{"type": "json_schema", "json_schema": {"name", "schema", "strict",
+  "description"}}`: JSON that fits `schema` (the official client's
+  `chat.completions.parse(response_format=PydanticModel)` sends this).
+
+vLLM's extra body field `structured_outputs`, one of `{"json": schema}`,
+`{"regex": str}`, `{"grammar": EBNF}`, `{"choice": [str, ...]}` or
+`{"json_object": true}`, and its older top-level spellings `guided_json`,
+`guided_regex`, `guided_grammar` and `guided_choice`.
+
+A request gives at most one of them. Every error is a `GrammarError` whose
+`.param` names the field at fault; the grammar itself is compiled, and its
+errors raised, by the engine when the request is added (`Grammars.compile`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .grammar import GrammarError, StructuredOutput
+
+# vLLM's spellings: structured_outputs key (and guided_<key>) -> our kind.
+VLLM_KINDS = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+FIELDS = ("response_format", "structured_outputs", *(f"guided_{k}" for k in VLLM_KINDS))
+
+
+def parse_structured_output(body: Mapping[str, object]) -> StructuredOutput | None:
+    """The request's structured output, None when it has none.
+
+    Example:
+        >>> parse_structured_output({"response_format": {"type": "json_object"}}).kind
+        'json_object'
+        >>> parse_structured_output({"structured_outputs": {"choice": ["yes", "no"]}}).choices
+        ('yes', 'no')
+    """
+    given = [name for name in FIELDS if name in body]
+    if len(given) > 1:
+        raise GrammarError(given[1], f"give one of {' and '.join(given)}, not both")
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        return _response_format(value)
+    if name == "structured_outputs":
+        return _structured_outputs(value)
+    return _vllm(VLLM_KINDS[name.removeprefix("guided_")], value, name)
+
+
+def _response_format(value: object) -> StructuredOutput | None:
+    if not isinstance(value, dict):
+        raise GrammarError("response_format", "response_format must be an object")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object", field="response_format")
+    if kind != "json_schema":
+        raise GrammarError(
+            "response_format",
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise GrammarError("response_format", "response_format.json_schema must be an object")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise GrammarError("response_format", "response_format.json_schema.name is required")
+    if "strict" in spec and not isinstance(spec["strict"], bool | None):
+        raise GrammarError(
+            "response_format", "response_format.json_schema.strict must be a boolean"
+        )
+    # OpenAI's schema is optional (any JSON then); a strict or not, the output fits it.
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise GrammarError(
+            "response_format", "response_format.json_schema.schema must be an object"
+        )
+    return StructuredOutput.json_schema(schema, field="response_format.json_schema.schema")
+
+
+def _structured_outputs(value: object) -> StructuredOutput:
+    if not isinstance(value, dict):
+        raise GrammarError("structured_outputs", "structured_outputs must be an object")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - {*VLLM_KINDS, "json_object"})
+    if unknown:
+        raise GrammarError(
+            "structured_outputs", f"structured_outputs has an unknown field {unknown[0]!r}"
+        )
+    if len(given) != 1:
+        raise GrammarError(
+            "structured_outputs",
+            "structured_outputs must hold exactly one of json, regex, grammar, choice "
+            f"and json_object, got {sorted(given) or 'none'}",
+        )
+    ((key, item),) = given.items()
+    if key == "json_object":
+        if item is not True:
+            raise GrammarError("structured_outputs", "structured_outputs.json_object must be true")
+        return StructuredOutput("json_object", field="structured_outputs.json_object")
+    return _vllm(VLLM_KINDS[key], item, f"structured_outputs.{key}")
+
+
+def _vllm(kind: str, value: object, field: str) -> StructuredOutput:
+    if kind == "json_schema":
+        if not isinstance(value, dict | str):
+            raise GrammarError(field, f"{field} must be a JSON Schema (an object or its text)")
+        return StructuredOutput.json_schema(value, field=field)
+    if kind == "choice":
+        if not isinstance(value, list):
+            raise GrammarError(field, f"{field} must be an array of strings")
+        return StructuredOutput("choice", choices=tuple(value), field=field)
+    if not isinstance(value, str):
+        raise GrammarError(field, f"{field} must be a string")
+    return StructuredOutput(kind, source=value, field=field)  # type: ignore[arg-type]

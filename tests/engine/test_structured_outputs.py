@@ -1,0 +1,316 @@
+"""Structured outputs in the engine: xgrammar matchers, one per request
+(MASK-MATCHER-1, MASK-ADVANCE-1, LOOP-GRAMMAR-1).
+
+Each constrained request's tokens, text, finish reason and logprobs must be
+the spec loop's run on it alone with a fresh matcher of the same grammar —
+batched with unconstrained requests, preempted and recomputed, aborted
+beside, drafted by every drafter (greedy: token for token). The models are
+small random ones over the byte tokenizer (token i < 256 is byte i), so the
+grammars are over bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodespec.reference.engine import Engine
+from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+from decodespec.reference.sampler import GRAMMAR_INVALID
+from decodespec.spec.generate import generate
+from decodespec.spec.params import SamplingParams
+from decodespec.spec.token_mask import allowed_token_mask
+from tests.engine.test_engine_vs_spec import (
+    ForcedChoice,
+    assert_logprobs_match,
+    draft_model_of,
+    request_params,
+    small_model,
+)
+from tests.engine.toy import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+EOS = TOKENIZER.eos_token_ids[0]
+VOCAB = 260
+
+# Grammars over bytes (`complete` says what a whole output of each is).
+GRAMMARS = {
+    "regex": StructuredOutput("regex", source="[ab]{1,3}(x|yz)", field="t"),
+    "choice": StructuredOutput("choice", choices=("yes", "no", "nope"), field="t"),
+    "json": StructuredOutput.json_schema(
+        {"type": "object", "properties": {"k": {"enum": ["a", "bc"]}}, "required": ["k"]},
+        field="t",
+    ),
+    "grammar": StructuredOutput("grammar", source='root ::= "(" [0-9]* ")"', field="t"),
+}
+NAMES = tuple(GRAMMARS)
+
+
+def complete(name: str, text: str) -> bool:
+    """Whether `text` is a whole string of grammar `name`."""
+    if name == "regex":
+        return re.fullmatch(r"[ab]{1,3}(x|yz)", text) is not None
+    if name == "choice":
+        return text in ("yes", "no", "nope")
+    if name == "grammar":
+        return re.fullmatch(r"\([0-9]*\)", text) is not None
+    try:
+        return json.loads(text)["k"] in ("a", "bc")
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def allowed(matcher) -> list[int]:
+    row = torch.zeros((VOCAB + 31) // 32, dtype=torch.int32)
+    matcher.fill_bitmask(row)
+    return allowed_token_mask(row[None], VOCAB)[0].nonzero().flatten().tolist()
+
+
+@pytest.mark.clause("MASK-MATCHER-1")
+def test_an_xgrammar_matcher_allows_eos_exactly_when_the_text_is_complete():
+    grammars = Grammars(TOKENIZER, VOCAB)
+    matcher = grammars.matcher(StructuredOutput("regex", source="a(b|c)d?", field="t"))
+    a, b, c, d = (ord(ch) for ch in "abcd")
+    assert allowed(matcher) == [a]
+    assert not matcher.accept_token(b) and allowed(matcher) == [a]  # refused: no change
+    assert matcher.accept_token(a) and allowed(matcher) == [b, c]
+    assert matcher.accept_token(c) and allowed(matcher) == [d, EOS]  # "ac" is complete
+    assert matcher.accept_token(EOS) and matcher.is_terminated() and allowed(matcher) == []
+    matcher.rollback(2)
+    assert not matcher.is_terminated() and allowed(matcher) == [b, c]
+
+
+# ---------------------------------------------------------------- engine = spec loop
+
+
+@st.composite
+def constrained_workloads(draw: st.DrawFn, sampled: bool = True, max_requests: int = 4):
+    """(prompt, params, arrival step, grammar name or None), at least one constrained."""
+    requests = []
+    for i in range(draw(st.integers(1, max_requests))):
+        prompt = draw(st.lists(st.integers(0, 255), min_size=1, max_size=10))
+        params = draw(request_params(sampled and draw(st.booleans()), VOCAB))
+        name = draw(st.sampled_from((*NAMES, None))) if i else draw(st.sampled_from(NAMES))
+        if name is not None:  # a grammar ends with EOS; min_tokens is another test's
+            params = SamplingParams(**{**vars(params), "ignore_eos": False, "min_tokens": 0})
+        requests.append((prompt, params, draw(st.integers(0, 4)), name))
+    return requests
+
+
+def run(engine: Engine, workload, abort: int | None = None):
+    ids, events, step = {}, {}, 0
+    while len(ids) < len(workload) or engine.has_unfinished():
+        for index, (prompt, params, arrival, name) in enumerate(workload):
+            if arrival <= step and index not in ids:
+                grammar = GRAMMARS[name] if name else None
+                ids[index] = engine.add_request(prompt, params, structured_output=grammar)
+                events[ids[index]] = []
+        if abort is not None and step == 2 and abort in ids:
+            engine.abort(ids[abort])
+        for e in engine.step():
+            events[e.request_id].append(e)
+        step += 1
+        assert step < 500, "the engine stopped making progress"
+    return ids, events
+
+
+def check(engine: Engine, weights, workload, ids, events, skip=()) -> None:
+    grammars = Grammars(TOKENIZER, VOCAB)
+    for index, request_id in ids.items():
+        if index in skip:
+            continue
+        name = workload[index][3]
+        request = engine.requests[request_id]
+        tokens = [e.token_id for e in events[request_id]]
+        matcher = grammars.matcher(GRAMMARS[name]) if name else None
+        expected = list(
+            generate(
+                weights,
+                request.prompt_ids,
+                request.params,
+                eos_token_ids=TOKENIZER.eos_token_ids,
+                token_bytes=TOKENIZER.token_bytes,
+                sample=ForcedChoice(tokens),
+                matcher=matcher,
+            )
+        )
+        where = f"request {index} ({name}): {request.params}"
+        assert tokens == [s.token_id for s in expected], where
+        assert [e.finish_reason for e in events[request_id]] == [
+            s.finish_reason for s in expected
+        ], where
+        for e, s in zip(events[request_id], expected, strict=True):
+            assert_logprobs_match(e.logprobs, s.logprobs, where)
+        out = engine.output(request_id)
+        if name and out.finish_reason == "stop" and tokens[-1] == EOS:
+            assert complete(name, bytes(tokens[:-1]).decode(errors="replace")), (out.text, where)
+    assert engine.cache is None or (
+        engine.block_manager.allocator.num_free == engine.block_manager.allocator.num_blocks
+    ), "blocks leaked"
+
+
+@pytest.mark.clause("LOOP-GRAMMAR-1", "MASK-ADVANCE-1", "MASK-SAMPLE-1")
+@settings(max_examples=15)
+@given(
+    workload=constrained_workloads(),
+    seed=st.integers(0, 50),
+    block_size=st.sampled_from((1, 2, 16)),
+    naive=st.booleans(),
+)
+def test_constrained_requests_in_a_batch_are_each_the_spec_loop(workload, seed, block_size, naive):
+    weights = small_model(seed)
+    engine = Engine(weights, TOKENIZER, block_size=block_size, naive=naive)
+    check(engine, weights, workload, *run(engine, workload))
+
+
+@pytest.mark.clause("LOOP-GRAMMAR-1", "MASK-ADVANCE-1")
+@settings(max_examples=10)
+@given(workload=constrained_workloads(), seed=st.integers(0, 50), data=st.data())
+def test_preempted_constrained_requests_keep_their_grammar_state(workload, seed, data):
+    """A cache barely larger than the largest request: preempted requests are
+    recomputed and their matchers go on where they were."""
+    weights = small_model(seed)
+    largest = max(len(p) + (params.max_tokens or 0) - 1 for p, params, _, _ in workload)
+    engine = Engine(weights, TOKENIZER, block_size=2, cache_tokens=2 * (-(-largest // 2)) + 2)
+    abort = data.draw(st.none() | st.integers(0, len(workload) - 1))
+    ids, events = run(engine, workload, abort)
+    check(engine, weights, workload, ids, events, skip={abort})
+
+
+@pytest.mark.clause("MASK-ADVANCE-1", "LOOP-GRAMMAR-1")
+@settings(max_examples=10)
+@given(
+    workload=constrained_workloads(sampled=False),
+    seed=st.integers(0, 50),
+    speculate=st.sampled_from(("ngram", "layers:1", "model")),
+    num_draft=st.integers(1, 4),
+)
+def test_speculative_constrained_requests_are_the_spec_loop(workload, seed, speculate, num_draft):
+    """Greedy: token for token, whatever the drafts (cut where they leave the grammar)."""
+    weights = small_model(seed)
+    engine = Engine(
+        weights,
+        TOKENIZER,
+        block_size=2,
+        speculate=speculate,
+        num_draft=num_draft,
+        draft_model=draft_model_of(weights) if speculate == "model" else None,
+    )
+    check(engine, weights, workload, *run(engine, workload))
+
+
+@pytest.mark.clause("MASK-ADVANCE-1")
+def test_drafts_that_leave_the_grammar_are_cut_before_verification():
+    """The n-gram drafter proposes the prompt's continuation ("zzzz…"), which the
+    grammar forbids: the runner never sees a draft token the grammar rejects, and the
+    matcher ends where the emitted tokens put it."""
+    weights = small_model(3)
+    engine = Engine(weights, TOKENIZER, speculate="ngram", num_draft=4)
+    seen = []
+    run_pass = engine.runner.run
+
+    def spy(batch, drafts, show_probs):
+        for request, draft in zip(batch, drafts, strict=True):
+            state = request.logits_state
+            assert state.grammar_prefix(draft.tokens) == len(draft.tokens), draft.tokens
+            seen.append(len(draft.tokens))
+        return run_pass(batch, drafts, show_probs)
+
+    engine.runner.run = spy
+    prompt = list(b"abab zzzz abab zzzz ab")
+    grammar = StructuredOutput("regex", source="(ab)+z?", field="t")
+    params = SamplingParams(temperature=0, max_tokens=12)
+    request_id = engine.add_request(prompt, params, structured_output=grammar)
+    while engine.has_unfinished():
+        engine.step()
+    text = engine.output(request_id).text
+    assert re.fullmatch(r"(ab)*a?b?z?", text), text
+    assert any(seen), "the drafter proposed nothing: the test shows nothing"
+
+
+# ---------------------------------------------------------------- bad input, failures
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        (StructuredOutput("json_schema", source='{"type": "objec"}', field="f"), "objec"),
+        (StructuredOutput("json_schema", source="{not json", field="f"), "JSON"),
+        (StructuredOutput("regex", source="a(b", field="f"), "parenthesis"),
+        (StructuredOutput("grammar", source='root ::= "a" |', field="f"), "EBNF"),
+        (StructuredOutput("grammar", source='root ::= root "a"', field="f"), "admits no string"),
+        (StructuredOutput("regex", source="[^\\x00-\\U0010FFFF]", field="f"), ""),
+    ],
+)
+def test_a_grammar_that_cannot_be_used_is_refused_naming_its_field(output, message):
+    engine = Engine(small_model(1), TOKENIZER)
+    good = engine.add_request([1, 2], SamplingParams(temperature=0, max_tokens=3))
+    with pytest.raises(GrammarError, match=rf"^f: .*{re.escape(message)}") as caught:
+        engine.add_request([1, 2], SamplingParams(), structured_output=output)
+    assert caught.value.param == "f"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(good).finish_reason == "length"
+    assert list(engine.requests) == [good], "the refused request was queued"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: StructuredOutput("choice", choices=(), field="f"), "non-empty strings"),
+        (lambda: StructuredOutput("choice", choices=("a", ""), field="f"), "non-empty strings"),
+        (lambda: StructuredOutput("regex", source=None, field="f"), "must be a string"),
+        (lambda: StructuredOutput("regex", source="a" * 70_000, field="f"), "at most"),
+        (lambda: StructuredOutput("lark", source="x", field="f"), "unknown kind"),
+    ],
+)
+def test_a_malformed_structured_output_is_refused_naming_its_field(make, message):
+    with pytest.raises(GrammarError, match=message) as caught:
+        make()
+    assert caught.value.param == "f"
+
+
+def test_ignore_eos_with_a_grammar_is_refused():
+    engine = Engine(small_model(1), TOKENIZER)
+    with pytest.raises(GrammarError, match="ignore_eos") as caught:
+        engine.add_request(
+            [1],
+            SamplingParams(ignore_eos=True),
+            structured_output=GRAMMARS["choice"],
+        )
+    assert caught.value.param == "ignore_eos"
+
+
+@pytest.mark.clause("MASK-MINTOK-1", "MASK-EMPTY-1")
+def test_min_tokens_past_a_complete_grammar_fails_that_request_alone():
+    weights = small_model(2)
+    engine = Engine(weights, TOKENIZER)
+    choice = StructuredOutput("choice", choices=("no",), field="t")
+    doomed = engine.add_request(
+        [5, 6], SamplingParams(temperature=0, min_tokens=4, max_tokens=8), structured_output=choice
+    )
+    other = engine.add_request([5, 6], SamplingParams(temperature=0, max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.output(doomed)
+    assert out.finish_reason == "error" and GRAMMAR_INVALID in out.error, out
+    assert out.token_ids == list(b"no")
+    assert engine.output(other).finish_reason == "length"
+
+
+@pytest.mark.clause("MASK-ADVANCE-1")
+def test_a_grammar_cut_short_by_max_tokens_ends_with_length_and_the_partial_text():
+    engine = Engine(small_model(4), TOKENIZER)
+    grammar = StructuredOutput("regex", source="abcdefgh", field="t")
+    request_id = engine.add_request(
+        [1], SamplingParams(temperature=0, max_tokens=3), structured_output=grammar
+    )
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.output(request_id)
+    assert (out.finish_reason, out.text) == ("length", "abc")
