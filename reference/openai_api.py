@@ -425,13 +425,19 @@ class Responder:
     # -- logprobs
 
     def logprobs(self, steps: list[TokenLogprobs]) -> dict:
-        """Chat: `{"content": [...]}` with bytes and the token's rank (an extension);
-        completions: the legacy `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`."""
+        """Chat: `{"content": [...]}` with bytes and the token's rank (an extension), and
+        for a structured output each alternative's `allowed` (False: the grammar
+        removed it; an extension); completions: the legacy `tokens`,
+        `token_logprobs`, `top_logprobs`, `text_offset`."""
         if self.request.kind == "chat":
             content = []
+            constrained = self.request.structured_output is not None
             for step in steps:
                 entry = self._token(step.token_id, step.logprob)
                 entry["top_logprobs"] = [self._token(t, lp) for t, lp in step.top]
+                if constrained:
+                    for alternative, (t, _) in zip(entry["top_logprobs"], step.top, strict=True):
+                        alternative["allowed"] = t not in step.removed
                 entry["rank"] = step.rank
                 content.append(entry)
             return {"content": content}

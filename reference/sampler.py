@@ -26,7 +26,7 @@ from decodespec.spec import sampling
 from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.params import SamplingTensors, sampling_tensors
 from decodespec.spec.softmax import softmax
-from decodespec.spec.token_mask import bitmask_words
+from decodespec.spec.token_mask import bitmask_words, removed_tokens
 
 from .backend import Backend
 from .logits_state import LogitsState
@@ -230,18 +230,25 @@ class Sampler:
             source = rows.processed(at)[0] if mode == "processed" else rows.logits[at]
             n = max(states[j].params.top_logprobs or 0 for j in part)
             lp = self.backend.compute_logprobs(source, tokens[part], n)
+            bitmask = rows.tensors.token_bitmask
             for row, j in enumerate(part):
                 top_n = states[j].params.top_logprobs or 0
-                top = zip(
-                    lp.top_token_ids[row, :top_n].tolist(),
-                    lp.top_logprobs[row, :top_n].tolist(),
-                    strict=True,
+                top = list(
+                    zip(
+                        lp.top_token_ids[row, :top_n].tolist(),
+                        lp.top_logprobs[row, :top_n].tolist(),
+                        strict=True,
+                    )
                 )
+                removed = ()
+                if bitmask is not None and states[j].matcher is not None:
+                    removed = removed_tokens(bitmask[at[row]], [t for t, _ in top])
                 result[j] = TokenLogprobs(
                     token_id=int(tokens[j]),
                     logprob=float(lp.token_logprobs[row]),
                     rank=int(lp.ranks[row]),
-                    top=list(top),
+                    top=top,
+                    removed=removed,
                 )
         return result
 

@@ -53,7 +53,9 @@ is called exactly so, once per step.
 every step: step t's tensors carry `token_bitmask`, the `[1, ceil(V / 32)]`
 int32 row `m.fill_bitmask` writes after the first t output tokens
 (MASK-SAMPLE-1), and the chosen token is accepted into the matcher before the
-step is streamed (MASK-ADVANCE-1); a token the matcher refuses raises
+step is streamed (MASK-ADVANCE-1); a step's `TokenLogprobs.removed` are the
+ids of its top list that the mask disallowed (raw logprobs are the model's,
+so its alternatives may include them; LOOP-LOGPROB-1). A token the matcher refuses raises
 ValueError (the mask allowed it, so the matcher and its mask disagree). A
 grammar ends the output with its stop token, so `ignore_eos` with a matcher
 is a ValueError at the start (LOOP-REQUEST-1). The step whose mask leaves
@@ -96,19 +98,21 @@ from .attention import paged_attention
 from .forward import ModelWeights, PagedBatch, forward_cached
 from .params import SamplingParams, SamplingTensors, sampling_tensors, validate_request
 from .stop import FinishReason, StopChecker
-from .token_mask import TokenMatcher, bitmask_words
+from .token_mask import TokenMatcher, bitmask_words, removed_tokens
 
 KVCache = list[tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """Logprob, rank and top alternatives of one generated token (LOOP-LOGPROB-1)."""
+    """Logprob, rank and top alternatives of one generated token (LOOP-LOGPROB-1), and
+    the ids of `top` that the request's grammar removed at that step (LOOP-GRAMMAR-1)."""
 
     token_id: int
     logprob: float
     rank: int
     top: list[tuple[int, float]]
+    removed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,10 @@ def token_logprobs(
         source = process_logits(source, **tensors.process_logits_args)
     chosen = torch.tensor([token_id], dtype=torch.int64, device=logits.device)
     lp = compute_logprobs(source, chosen, params.top_logprobs)
-    top = zip(lp.top_token_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True)
-    return TokenLogprobs(token_id, float(lp.token_logprobs[0]), int(lp.ranks[0]), list(top))
+    top = list(zip(lp.top_token_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True))
+    bitmask = tensors.token_bitmask
+    removed = () if bitmask is None else removed_tokens(bitmask[0], [t for t, _ in top])
+    return TokenLogprobs(token_id, float(lp.token_logprobs[0]), int(lp.ranks[0]), top, removed)
 
 
 def generate(

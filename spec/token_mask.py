@@ -186,6 +186,19 @@ def check_bitmask(logits: Tensor, bitmask: Tensor, name: str = "bitmask") -> Non
         raise ValueError(f"{name} is on {bitmask.device}, logits on {logits.device}")
 
 
+def removed_tokens(bitmask_row: Tensor, token_ids: Iterable[int]) -> tuple[int, ...]:
+    """Those of `token_ids` that a `[words]` bitmask row disallows (MASK-LAYOUT-1).
+
+    Example:
+        >>> removed_tokens(torch.tensor([0b101], dtype=torch.int32), [0, 1, 2, 40])
+        (1, 40)
+    """
+    words = bitmask_row.shape[0]
+    return tuple(
+        t for t in token_ids if t >= 32 * words or not (int(bitmask_row[t // 32]) >> (t % 32)) & 1
+    )
+
+
 def _check_indices(indices: Tensor, batch: int, device: torch.device) -> None:
     """MASK-VALID-1 for `indices`."""
     check_tensor("indices", indices)

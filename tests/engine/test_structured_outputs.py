@@ -146,6 +146,11 @@ def check(engine: Engine, weights, workload, ids, events, skip=()) -> None:
         ], where
         for e, s in zip(events[request_id], expected, strict=True):
             assert_logprobs_match(e.logprobs, s.logprobs, where)
+            ids = [[t for t, _ in lp.top] for lp in (e.logprobs, s.logprobs) if lp is not None]
+            if len(ids) == 2 and ids[0] == ids[1]:
+                # The alternatives the grammar removed (LOOP-GRAMMAR-1).
+                assert e.logprobs.removed == s.logprobs.removed, where
+                assert bool(e.logprobs.removed) <= (name is not None), where
         out = engine.output(request_id)
         if name and out.finish_reason == "stop" and tokens[-1] == EOS:
             assert complete(name, bytes(tokens[:-1]).decode(errors="replace")), (out.text, where)

@@ -133,3 +133,22 @@ def run_lazily(weights, prompt, params, matcher):
         token_bytes=TOKENIZER.token_bytes,
         matcher=matcher,
     )
+
+
+@pytest.mark.clause("LOOP-GRAMMAR-1", "LOOP-LOGPROB-1", "MASK-ORDER-1")
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_name_the_alternatives_the_grammar_removed(mode):
+    """Raw logprobs are the model's: its top alternatives include tokens the grammar
+    removed, and `removed` names them; processed ones put those at -inf."""
+    params = SamplingParams(temperature=0, max_tokens=3, top_logprobs=20, logprobs_mode=mode)
+    choices = [[7, 8], [9]]
+    steps = run(MODELS[0], [3, 4], params, matcher=ChoiceMatcher(choices, [EOS], VOCAB))
+    first = steps[0].logprobs
+    assert set(first.removed) == {t for t, _ in first.top} - {7, 9}
+    if mode == "processed":
+        assert all(lp == float("-inf") for t, lp in first.top if t in first.removed)
+        assert first.removed  # 20 alternatives, 2 allowed
+    else:
+        assert len(first.removed) >= 18
+    unconstrained = run(MODELS[0], [3, 4], params)
+    assert unconstrained[0].logprobs.removed == ()
