@@ -7,9 +7,12 @@ any program written for the OpenAI API does, pointed at this server.
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from tests.serve.live import MODEL
@@ -199,3 +202,63 @@ def test_a_prompt_beyond_the_context_is_a_bad_request(client):
         client.chat.completions.create(model=MODEL, messages=long, max_tokens=2)
     assert error.value.code == "context_length_exceeded"
     assert error.value.param == "messages"
+
+
+# ---------------------------------------------------------------- structured outputs
+
+
+class City(pydantic.BaseModel):
+    """What the client's `parse` helper turns into a strict JSON Schema."""
+
+    name: Literal["Paris", "Lyon", "Marseille"]
+    is_capital: bool
+
+
+def test_the_clients_parse_helper_gets_an_object_of_its_model(client):
+    """`chat.completions.parse(response_format=City)` sends City's JSON Schema as
+    `response_format` and parses the answer: the grammar makes it parse."""
+    completion = client.chat.completions.parse(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "Which city is the capital of France? Answer in JSON."}
+        ],
+        response_format=City,
+        temperature=0.7,
+        seed=3,
+        max_tokens=120,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(choice.message.parsed, City), choice.message
+
+
+def test_json_object_mode_answers_a_json_object(client):
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {
+                "role": "user",
+                "content": "Give me a JSON object with the name and population of Paris.",
+            }
+        ],
+        response_format={"type": "json_object"},
+        temperature=0.7,
+        seed=3,
+        max_tokens=120,
+    )
+    assert answer.choices[0].finish_reason == "stop", answer
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+
+
+def test_a_bad_schema_raises_bad_request_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objec"}},
+            },
+        )
+    assert caught.value.body["param"] == "response_format.json_schema.schema"
+    assert "objec" in caught.value.body["message"]
