@@ -929,3 +929,64 @@ def test_demo_shows_the_filters_and_seeded_draws():
     table, draws = parse_demo(top2.out)
     assert [r[0] for r in table if r[3]] == [" Paris", " a"]
     assert len(draws) == 5 and set(draws) <= {"Paris", "a"}
+
+
+# ---------------------------------------------------------------- structured outputs
+
+PARIS = "Give me a JSON object with the name and population of Paris."
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--json-schema", '{"type": "object",'], r"--json-schema: not JSON"),
+        (["--json-schema", "no-such-schema.json"], r"--json-schema no-such-schema\.json: No such"),
+        (["--grammar", "no-such.ebnf"], r"--grammar no-such\.ebnf: No such"),
+        (["--choice", "yes", "--choice", ""], r"--choice must be a list of non-empty strings"),
+    ],
+)
+def test_a_bad_structured_output_flag_exits_2_before_loading(flags, message):
+    run = run_cli(None, "generate", "hi", *flags)
+    assert_usage_error(run, message)
+    assert run.loads == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--regex", "a(b"], r"--regex: .*parenthesis"),
+        (["--json-schema", '{"type": "objec"}'], r"--json-schema: .*objec"),
+        (["--grammar", "{grammar}"], r"--grammar: the grammar admits no string"),
+        (["--json-object", "--ignore-eos"], r"ignore_eos cannot be combined"),
+    ],
+)
+def test_a_grammar_that_does_not_compile_exits_2_before_generating(model, tmp_path, flags, message):
+    grammar = tmp_path / "g.ebnf"
+    grammar.write_text('root ::= root "a"')
+    flags = [f.replace("{grammar}", str(grammar)) for f in flags]
+    run = run_cli(model, "generate", "hi", *flags)
+    assert_usage_error(run, message)
+
+
+def test_json_object_and_json_schema_answers_are_json(model, tmp_path):
+    """Unconstrained, the same sampled request writes a fenced, broken object; under
+    --json-object it is a JSON object, and under a schema it fits the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["name", "population"],
+    }
+    path = tmp_path / "city.json"
+    path.write_text(json.dumps(schema))
+    sampled = ("--temperature", "0.7", "--seed", "3", "--max-tokens", "80", "--json")
+    for flags in (["--json-object"], ["--json-schema", str(path)]):
+        run = run_cli(model, "generate", PARIS, *sampled, *flags)
+        answer = json.loads(run.out)
+        assert run.code == 0 and answer["finish_reason"] == "stop", run.err
+        value = json.loads(answer["text"])
+        assert isinstance(value, dict)
+        if "--json-schema" in flags:
+            assert set(value) == {"name", "population"} and isinstance(value["population"], int)
+    plain = json.loads(run_cli(model, "generate", PARIS, *sampled).out)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(plain["text"])
