@@ -16,12 +16,12 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from decodespec.spec.forward import ModelWeights
+from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.params import MAX_TOP_LOGPROBS, PARAMETERS, SamplingParams, sampling_tensors
 from decodespec.spec.sampling import process_logits, sample
 from decodespec.spec.softmax import softmax
@@ -103,7 +103,18 @@ def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**given)
 
 
-def _output_json(out: RequestOutput, show_logprobs: bool, speculating: bool) -> dict:
+def _logprobs_json(lp: TokenLogprobs, constrained: bool) -> dict:
+    """A token's logprobs; under a grammar each alternative says whether it was allowed."""
+    top = [{"token_id": t, "logprob": p} for t, p in lp.top]
+    if constrained:
+        for alternative in top:
+            alternative["allowed"] = alternative["token_id"] not in lp.removed
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank, "top": top}
+
+
+def _output_json(
+    out: RequestOutput, show_logprobs: bool, speculating: bool, constrained: bool = False
+) -> dict:
     result = {
         "text": out.text,
         "token_ids": out.token_ids,
@@ -123,10 +134,7 @@ def _output_json(out: RequestOutput, show_logprobs: bool, speculating: bool) -> 
     if out.error:
         result["error"] = out.error
     if show_logprobs and out.logprobs is not None:
-        result["logprobs"] = [
-            {**asdict(lp), "top": [{"token_id": t, "logprob": p} for t, p in lp.top]}
-            for lp in out.logprobs
-        ]
+        result["logprobs"] = [_logprobs_json(lp, constrained) for lp in out.logprobs]
     return result
 
 
@@ -262,7 +270,10 @@ def _answer(
     assert request_id is not None
     out = engine.output(request_id)
     if args.json:
-        print(json.dumps(_output_json(out, args.top_logprobs is not None, speculating)), flush=True)
+        result = _output_json(
+            out, args.top_logprobs is not None, speculating, constraint is not None
+        )
+        print(json.dumps(result), flush=True)
         if out.error:
             print(f"decodespec: error: {out.error}", file=sys.stderr)
         return out
