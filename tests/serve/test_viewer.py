@@ -11,13 +11,17 @@ server serves, generates a greedy answer and checks that:
 - hovering a token shows its candidates, the chosen one marked, with its rank;
 - TTFT and tokens/s show numbers, and the page renders (a screenshot with
   many colours);
-- a bad parameter (top_p = 5) shows the server's error, naming top_p.
+- a bad parameter (top_p = 5) shows the server's error, naming top_p;
+- with "Constrain to JSON" checked the answer is the server's JSON object, and
+  a token's candidates mark, in words, exactly the alternatives the server
+  reports the grammar removed (`allowed: false`).
 
 `tests/serve/viewer_screenshot.py` holds the steps (and makes the docs' picture).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterator
@@ -43,6 +47,12 @@ if TYPE_CHECKING:
 
 PROMPT = "Name three colours."
 MAX_TOKENS = 12
+# Greedy under the JSON grammar, the model answers this with a short object
+# (about 18 tokens, finish "stop"); the model's own (raw) alternatives at most
+# of its steps include tokens the grammar removed.
+JSON_PROMPT = "Return a JSON object with the keys city and country for Paris."
+JSON_MAX_TOKENS = 60
+JSON_SEED = 7
 PAGE_TIMEOUT_MS = 30_000
 
 # Records the number of token spans each time #output changes, until the status says done.
@@ -115,8 +125,18 @@ def viewer(browser: Browser, live_server: LiveServer) -> Iterator[Viewer]:
         context.close()
 
 
-def server_answer(live_server: LiveServer, prompt: str, max_tokens: int) -> str:
-    """The server's own, non-streamed greedy answer to the request the page sends."""
+# The rows of a candidates list: probability, rendered text, and whether the token is
+# struck through.
+CANDIDATE_ROWS_JS = """list => Array.from(list.querySelectorAll(".candidate")).map(row => ({
+  prob: Number(row.dataset.prob),
+  text: row.innerText,
+  struck: getComputedStyle(row.querySelector(".tok")).textDecorationLine.includes("line-through"),
+}))"""
+
+
+def server_choice(live_server: LiveServer, prompt: str, max_tokens: int, **extra: object) -> dict:
+    """The server's own, non-streamed greedy choice for the request the page sends
+    (`extra`: more fields of the body)."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
@@ -125,10 +145,11 @@ def server_answer(live_server: LiveServer, prompt: str, max_tokens: int) -> str:
         "top_p": 1,
         "top_k": 0,
         "max_tokens": max_tokens,
+        **extra,
     }
     response = httpx.post(f"{live_server.url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["message"]["content"]
+    return response.json()["choices"][0]
 
 
 def percent(text: str) -> float:
@@ -160,7 +181,7 @@ def test_viewer_streams_the_real_tokens(viewer: Viewer, live_server: LiveServer,
 
     # The spans are the real tokens: together they are the server's answer.
     text = page.eval_on_selector("#output", "output => output.textContent")
-    assert text == server_answer(live_server, PROMPT, MAX_TOKENS)
+    assert text == server_choice(live_server, PROMPT, MAX_TOKENS)["message"]["content"]
 
     # Greedy: every token is the most likely one, with a probability in (0, 1].
     for i in range(count):
@@ -180,6 +201,8 @@ def test_viewer_streams_the_real_tokens(viewer: Viewer, live_server: LiveServer,
     first = float(spans.first.get_attribute("data-prob") or "nan")
     assert math.isclose(float(chosen.get_attribute("data-prob") or "nan"), first, rel_tol=1e-6)
     assert "rank 1" in panel.inner_text()
+    assert "removed by grammar" not in panel.inner_text()
+    assert not page.is_visible("#grammar-note")  # an unconstrained answer
 
     # The timings are numbers (the server's, once the last chunk came).
     assert re.search(r"\d+ ms", page.inner_text("#ttft"))
@@ -188,6 +211,53 @@ def test_viewer_streams_the_real_tokens(viewer: Viewer, live_server: LiveServer,
     png = page.screenshot(path=tmp_path / "viewer.png")
     colours = distinct_colours(png, limit=MIN_DISTINCT_COLOURS)
     assert colours >= MIN_DISTINCT_COLOURS, f"the screenshot has only {colours} colours"
+
+    assert viewer.foreign == [], f"requests to other hosts: {viewer.foreign}"
+    assert viewer.problems == [], "\n".join(viewer.problems)
+
+
+def test_viewer_constrains_the_answer_to_json(viewer: Viewer, live_server: LiveServer):
+    page = viewer.page
+    open_viewer(page, live_server.url)
+    status = generate(
+        page, JSON_PROMPT, temperature=0, top_k=0, top_p=1, max_tokens=JSON_MAX_TOKENS,
+        seed=JSON_SEED, mode="raw", json_object=True,
+    )  # fmt: skip
+    assert status == "done"
+    assert "stop" in page.inner_text("#finish")
+    assert page.is_visible("#grammar-note")
+
+    # The page's answer is a JSON object, the one the server gives the same request.
+    text = page.eval_on_selector("#output", "output => output.textContent")
+    assert isinstance(json.loads(text), dict), text
+    choice = server_choice(
+        live_server, JSON_PROMPT, JSON_MAX_TOKENS, seed=JSON_SEED,
+        response_format={"type": "json_object"}, logprobs=True, top_logprobs=10,
+        logprobs_mode="raw",
+    )  # fmt: skip
+    assert choice["finish_reason"] == "stop"
+    assert text == choice["message"]["content"]
+    steps = choice["logprobs"]["content"]
+    assert page.locator("#output .token").count() == len(steps)
+    assert any(not alt["allowed"] for step in steps for alt in step["top_logprobs"]), (
+        "the grammar removed none of the model's alternatives: nothing to mark"
+    )
+
+    # Every token's candidates (raw: none has p = 0, so all are listed, in order) say
+    # "removed by grammar", struck through, for exactly the server's allowed = false.
+    for i, step in enumerate(steps):
+        page.mouse.move(0, 0)  # off the answer: the last token's panel must not cover this one
+        panel = hover_token(page, i)
+        rows = panel.locator(".cand-list").first.evaluate(CANDIDATE_ROWS_JS)
+        assert len(rows) == len(step["top_logprobs"]), f"token {i}: {rows}"
+        for row, alt in zip(rows, step["top_logprobs"], strict=True):
+            # Not bit-equal: the second request reads the first's cached prompt blocks.
+            assert math.isclose(row["prob"], math.exp(alt["logprob"]), rel_tol=1e-3), (i, row, alt)
+            removed = not alt["allowed"]
+            assert ("removed by grammar" in row["text"]) == removed, (i, row, alt)
+            assert row["struck"] == removed, (i, row, alt)
+        assert panel.locator(".candidate.chosen").count() == 1
+        assert "removed by grammar" not in panel.locator(".candidate.chosen").inner_text()
 
     assert viewer.foreign == [], f"requests to other hosts: {viewer.foreign}"
     assert viewer.problems == [], "\n".join(viewer.problems)

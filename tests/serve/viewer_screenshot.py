@@ -69,8 +69,9 @@ def fill(
     max_tokens: int | str = 32,
     seed: int | str | None = None,
     mode: str = "processed",
+    json_object: bool = False,
 ) -> None:
-    """Set the prompt and the sampling parameters in the form."""
+    """Set the prompt, the sampling parameters and "Constrain to JSON" in the form."""
     page.fill("#prompt", prompt)
     page.fill("#temperature", str(temperature))
     page.fill("#top-k", str(top_k))
@@ -78,6 +79,7 @@ def fill(
     page.fill("#max-tokens", str(max_tokens))
     page.fill("#seed", "" if seed is None else str(seed))
     page.select_option("#mode", mode)
+    page.set_checked("#json", json_object)
 
 
 def wait_finished(page: Page, timeout_ms: int = DONE_TIMEOUT_MS) -> str:
