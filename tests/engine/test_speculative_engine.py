@@ -25,6 +25,7 @@ from scipy import stats
 
 from decodespec.reference.cache import PagedKVCache
 from decodespec.reference.engine import Engine
+from decodespec.reference.grammar import StructuredOutput
 from decodespec.reference.request import MAX_DRAFT_PAUSE, Draft, Request
 from decodespec.spec.forward import forward_naive
 from decodespec.spec.params import SamplingParams, sampling_tensors
@@ -349,6 +350,8 @@ class LetterTokenizer:
 
     eos_token_ids = (0,)
     chat_template = None
+    vocab_size = 10
+    special_token_ids = frozenset()
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([97 + token_id])
@@ -372,9 +375,12 @@ SETTINGS = {
 DISTRIBUTION_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # prompt lookup drafts 3, 1, 2
 
 
-def exact_distributions(weights, params: SamplingParams) -> dict[tuple[int, ...], torch.Tensor]:
+def exact_distributions(
+    weights, params: SamplingParams, token_bitmask: torch.Tensor | None = None
+) -> dict[tuple[int, ...], torch.Tensor]:
     """p(next | prompt + prefix) for every prefix shorter than GENERATED, by enumeration
-    over naive forwards and the spec's processors (the target's own distribution)."""
+    over naive forwards and the spec's processors (the target's own distribution),
+    under a grammar's mask that is the same at every step, if given."""
     result = {}
     for length in range(GENERATED):
         for prefix in itertools.product(range(VOCAB), repeat=length):
@@ -386,6 +392,7 @@ def exact_distributions(weights, params: SamplingParams) -> dict[tuple[int, ...]
                 vocab_size=VOCAB,
                 prompt_token_ids=[DISTRIBUTION_PROMPT],
                 output_token_ids=[list(prefix)],
+                token_bitmask=token_bitmask,
             )
             processed = process_logits(logits.double(), **tensors.process_logits_args)
             result[prefix] = softmax(processed)[0]
@@ -407,7 +414,8 @@ def chi_square_p_value(observed: list[int], expected: list[float]) -> float:
 
 
 TESTS_PER_RUN = GENERATED + 1  # each position's marginal, and the first two jointly
-NUM_RUNS = 3 * len(SETTINGS)
+GRAMMAR_DRAFTERS = ("ngram", "model")
+NUM_RUNS = 3 * len(SETTINGS) + len(GRAMMAR_DRAFTERS)
 
 
 @pytest.mark.clause("VERIFY-ACCEPT-1", "VERIFY-RESIDUAL-1", "VERIFY-BONUS-1")
@@ -417,14 +425,37 @@ def test_speculation_preserves_the_distribution_of_the_first_tokens(drafter, set
     """DRAWS requests with seeds 0 .. DRAWS − 1: each position's tokens, and the first
     two together, follow the target's exact distribution (chi-square; the suite's
     false-positive rate is FALSE_POSITIVE_RATE over all its tests)."""
+    check_speculative_distribution(drafter, SETTINGS[setting], setting)
+
+
+# Letters c to f (tokens 2 to 5), four of them: EOS is never allowed within the
+# GENERATED tokens, and prompt lookup's drafts "d b c" (3, 1, 2) are cut after "d".
+GRAMMAR = StructuredOutput("regex", source="[c-f]{4}", field="test")
+GRAMMAR_BITMASK = torch.tensor([[0b111100]], dtype=torch.int32)
+
+
+@pytest.mark.clause("MASK-ADVANCE-1", "VERIFY-ACCEPT-1", "VERIFY-RESIDUAL-1")
+@pytest.mark.parametrize("drafter", GRAMMAR_DRAFTERS)
+def test_speculation_under_a_grammar_preserves_the_masked_distribution(drafter):
+    """Under a grammar the target is the masked distribution, top-k after the mask:
+    drafts cut where they leave the grammar (prompt lookup) or drawn from masked
+    distributions (a second model) keep the output distribution exact."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=GENERATED)
+    check_speculative_distribution(drafter, params, "grammar", GRAMMAR, GRAMMAR_BITMASK)
+
+
+def check_speculative_distribution(drafter, params, setting, grammar=None, bitmask=None):
     config = small_config(vocab_size=VOCAB, num_layers=2, max_context=32)
     weights = random_weights(config, seed=11)
-    params = SETTINGS[setting]
     engine = make_engine(
         weights, LetterTokenizer(), drafter, num_draft=4, block_size=4, cache_tokens=DRAWS * 16
     )
     ids = [
-        engine.add_request(DISTRIBUTION_PROMPT, SamplingParams(**{**vars(params), "seed": seed}))
+        engine.add_request(
+            DISTRIBUTION_PROMPT,
+            SamplingParams(**{**vars(params), "seed": seed}),
+            structured_output=grammar,
+        )
         for seed in range(DRAWS)
     ]
     drain(engine)
@@ -433,10 +464,11 @@ def test_speculation_preserves_the_distribution_of_the_first_tokens(drafter, set
     assert all(len(s) == GENERATED for s in samples)
     drafted = sum(out.draft_tokens for out in outputs)
     accepted = sum(out.accepted_tokens for out in outputs)
-    assert drafted > DRAWS, "precondition: the drafter proposed tokens"
+    # Under the grammar, prompt lookup's drafts are often cut to nothing.
+    assert drafted > (DRAWS if grammar is None else DRAWS // 4), "precondition: drafts"
     assert 0 < accepted < drafted, "precondition: drafts were both accepted and rejected"
 
-    p = exact_distributions(weights, params)
+    p = exact_distributions(weights, params, bitmask)
     joint = {
         seq: math.prod(float(p[seq[:i]][seq[i]]) for i in range(GENERATED))
         for seq in itertools.product(range(VOCAB), repeat=GENERATED)

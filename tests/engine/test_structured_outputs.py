@@ -319,3 +319,43 @@ def test_a_grammar_cut_short_by_max_tokens_ends_with_length_and_the_partial_text
         engine.step()
     out = engine.output(request_id)
     assert (out.finish_reason, out.text) == ("length", "abc")
+
+
+@pytest.mark.clause("MASK-ADVANCE-1")
+@pytest.mark.parametrize("drafter", ["model", "layers:1"])
+def test_a_model_drafter_draws_its_drafts_from_masked_distributions(drafter):
+    """Cutting is exact only for deterministic drafts; a model drafter's draft
+    distributions must give the tokens the grammar forbids probability 0, so that its
+    drafts never leave the grammar (sampled, so the drafts vary)."""
+    weights = small_model(5)
+    engine = Engine(
+        weights,
+        TOKENIZER,
+        speculate=drafter,
+        num_draft=3,
+        draft_model=draft_model_of(weights) if drafter == "model" else None,
+    )
+    checked = []
+    run_pass = engine.runner.run
+
+    def spy(batch, drafts, show_probs):
+        for request, draft in zip(batch, drafts, strict=True):
+            state = request.logits_state
+            for j in range(len(draft.tokens)):
+                row = torch.zeros((VOCAB + 31) // 32, dtype=torch.int32)
+                state.fill_bitmask(row, state.output_ids + draft.tokens[:j])
+                forbidden = ~allowed_token_mask(row[None], VOCAB)[0]
+                assert float(draft.probs[j][forbidden].sum()) == 0.0, (j, draft.tokens)
+                checked.append(j)
+        return run_pass(batch, drafts, show_probs)
+
+    engine.runner.run = spy
+    for seed in range(4):
+        engine.add_request(
+            [1, 2, 3],
+            SamplingParams(temperature=1.0, seed=seed, max_tokens=10),
+            structured_output=GRAMMARS["regex"],
+        )
+    while engine.has_unfinished():
+        engine.step()
+    assert checked, "the drafter proposed nothing: the test shows nothing"
