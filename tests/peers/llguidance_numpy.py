@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.metadata
 
-import numpy as np
 import torch
 from llguidance.numpy import apply_token_bitmask_inplace
 from torch import Tensor
