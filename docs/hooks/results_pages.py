@@ -47,7 +47,8 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 
 def peers_page(markdown: str) -> str:
-    """peers.md: the matrix of `results/peers.json`, the peers' versions, the loop comparison."""
+    """peers.md: the matrix of `results/peers.json`, the peers' versions, the loop and
+    mask-order comparisons."""
     matrix = peers.load()
     machine = matrix["machine"]
     measured = (
@@ -60,6 +61,7 @@ def peers_page(markdown: str) -> str:
         ("<!-- peers-versions -->", peers.versions_markdown(matrix)),
         ("<!-- peers-matrix -->", peers.matrix_markdown(matrix)),
         ("<!-- peers-loop -->", peers.loop_markdown(matrix)),
+        ("<!-- peers-mask-order -->", peers.mask_order_markdown(matrix)),
     ):
         markdown = markdown.replace(marker, text)
     return markdown

@@ -48,8 +48,10 @@ REPORT = ROOT / "docs" / "conformance-report.json"
 SAMPLING_PICTURES = "sampling-pictures.md"
 # The engines a "Differs from ..." note can name: the `engine` of the peer
 # matrix's columns (results/peers.json). A clause sentence that names none of
-# them is prose, not a note.
-ENGINES = ("Hugging Face", "PyTorch", "llama.cpp", "FlashInfer", "vLLM")
+# them is prose, not a note. llguidance is left out: the token mask's clause
+# names it where it agrees (MASK-WIDTH-1), and its differences are listed in
+# KNOWN_DIFFERENCES.
+ENGINES = ("Hugging Face", "PyTorch", "llama.cpp", "FlashInfer", "vLLM", "xgrammar")
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,33 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
             "PyTorch",
             "FlexAttention raises IndexError for a sequence without keys instead of giving "
             "zeros and a log-sum-exp of −inf (ATTN-EMPTY-1).",
+        ),
+    ],
+    "token_mask": [
+        (
+            "xgrammar",
+            "when a row's last bitmask word allows every token below the vocabulary size, "
+            "its CPU kernel also writes −inf at that word's first disallowed bit past it: a "
+            "token of the next row, or memory past the logits (MASK-APPLY-1).",
+        ),
+        (
+            "xgrammar",
+            "it checks only the bitmask's dtype (CPU kernel) and device, and otherwise fails "
+            "in its C++ checks, its FFI or torch's indexing, naming no argument, or accepts "
+            "what the spec refuses: a list of indices, a bitmask with no word, logits with no "
+            "column, and, in its torch backend, a one-row bitmask broadcast to every row "
+            "(MASK-VALID-1).",
+        ),
+        (
+            "llguidance",
+            "its `apply_token_bitmask_inplace` (numpy and torch) takes no indices: it masks "
+            "every row of the logits it is given (MASK-ROWS-1).",
+        ),
+        (
+            "llguidance",
+            "it checks its arguments with `assert` (AssertionError naming no argument), "
+            "treats 1-D logits as a batch of one, and accepts logits with no column and a "
+            "bitmask with no word (MASK-VALID-1).",
         ),
     ],
     "logits": [

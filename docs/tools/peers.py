@@ -120,6 +120,54 @@ def loop_markdown(matrix: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mask_order_markdown(matrix: dict) -> str:
+    """The mask-order comparison (tests/peers/mask_order.py): allowed sets of both grammar
+    libraries per grammar, then the tokens each order can return, case by case."""
+    report = matrix.get("mask_order")
+    if not report:
+        return "*The llama.cpp column did not run: no mask-order comparison in this matrix.*\n"
+    lines = [
+        "| grammar | states | llama.cpp = xgrammar | allowed tokens per state |",
+        "| --- | --- | --- | --- |",
+    ]
+    for grammar in report["grammars"]:
+        steps = grammar["steps"]
+        equal = sum(step["equal"] for step in steps)
+        sizes = ", ".join(str(step["xgrammar_allowed"]) for step in steps)
+        gbnf = grammar["gbnf"].replace("|", "\\|")
+        lines.append(f"| `{gbnf}` | {len(steps)} | {equal} of {len(steps)} | {sizes} |")
+    lines += [
+        "",
+        "| grammar | logits | top-k | top-p | raw kept (allowed) | llama.cpp resamples "
+        "| mask first | chain first | same |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    filters = report["model_logits_filters"]
+    for grammar in report["grammars"]:
+        rows = [(case["case"], case) for case in grammar["constructed"]]
+        model = [step["model_logits"] for step in grammar["steps"]]
+        differ = sum(not row["same"] for row in model)
+        for name, row in rows:
+            lines.append(_order_row(grammar["name"], name, row))
+        lines.append(
+            f"| {grammar['name']} | the model's, at each of {len(model)} states | "
+            f"{filters['top_k']} | {filters['top_p']} | – | "
+            f"{sum(row['resamples'] for row in model)} of {len(model)} | – | – | "
+            f"{'yes' if not differ else f'differ at {differ}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _order_row(grammar: str, name: str, row: dict) -> str:
+    top_k = row["top_k"] or "off"
+    return (
+        f"| {grammar} | {name} | {top_k} | {row['top_p']} | {row['chain_raw_kept']} "
+        f"({row['chain_raw_allowed']}) | {'yes' if row['resamples'] else 'no'} | "
+        f"{len(row['mask_first'])} | {len(row['chain_first'])} | "
+        f"{'yes' if row['same'] else '**no**'} |"
+    )
+
+
 # --- "Differs from" notes against the runs ---------------------------------------------------
 
 

@@ -16,7 +16,14 @@ from docs.hooks import spec_pages
 from docs.tools import peers
 
 MATRIX = peers.load()
-CPU_PEERS = ("transformers", "PyTorch SDPA", "PyTorch FlexAttention", "llama.cpp")
+CPU_PEERS = (
+    "transformers",
+    "PyTorch SDPA",
+    "PyTorch FlexAttention",
+    "llama.cpp",
+    "xgrammar CPU",
+    "llguidance numpy",
+)
 
 
 @pytest.mark.parametrize("note", spec_pages.peer_notes(), ids=lambda n: f"{n.engine}-{n.clauses}")
@@ -77,3 +84,5 @@ def test_the_peers_page_shows_the_matrix(built_site):
     loop = MATRIX["peers"]["llama.cpp"]["loop"]
     assert f"llama.cpp {loop['tokens_per_s']['llama_cpp']:.1f} tokens/s" in page
     assert f"this engine {loop['tokens_per_s']['ours']:.1f} tokens/s" in page
+    for grammar in MATRIX["mask_order"]["grammars"]:
+        assert grammar["constructed"][0]["case"] in page

@@ -20,5 +20,9 @@ not define the operation) or an unsupported feature
 (`CONFORMANCE_UNSUPPORTED`).
 
 `python -m tests.peers.run` (`make peers`) runs every peer available on the
-machine and writes `results/peers.json`, the matrix the site renders.
+machine and writes `results/peers.json`, the matrix the site renders. Two
+comparisons that are not a conformance run ride along in it: the decoding
+loop next to llama.cpp's (`llama_cpp_loop.py`) and, for grammar masks, the
+allowed sets of llama.cpp's grammar sampler and xgrammar and the tokens
+mask-first and llama.cpp's chain-first sampling can return (`mask_order.py`).
 """

@@ -9,7 +9,10 @@ fail, xfail (with what the peer does instead, from the xfails file) or skip
 (with the reason). A peer whose package is not installed, or that needs a
 GPU this machine lacks, gets a column of its reason. The llama.cpp column
 also carries the loop comparison on the bundled model (tokenizer ids, greedy
-tokens, decode tokens/s of both).
+tokens, decode tokens/s of both). When llama.cpp runs, the matrix also
+carries `mask_order`: llama.cpp's grammar sampler against xgrammar's bitmask
+on real grammars, and the tokens mask-first (the spec) and llama.cpp's
+chain-first sampling can return (tests/peers/mask_order.py).
 """
 
 from __future__ import annotations
@@ -63,6 +66,10 @@ PEERS = (
     Peer("PyTorch SDPA", "tests.peers.torch_sdpa", "PyTorch"),
     Peer("PyTorch FlexAttention", "tests.peers.torch_flex", "PyTorch"),
     Peer("llama.cpp", "tests.peers.llama_cpp_ops", "llama.cpp"),
+    Peer("xgrammar CPU", "tests.peers.xgrammar_cpu", "xgrammar"),
+    Peer("xgrammar torch", "tests.peers.xgrammar_torch", "xgrammar"),
+    Peer("llguidance numpy", "tests.peers.llguidance_numpy", "llguidance"),
+    Peer("llguidance torch", "tests.peers.llguidance_torch", "llguidance"),
     Peer("FlashInfer", "tests.peers.flashinfer_ops", "FlashInfer"),
     Peer("vLLM", "tests.peers.vllm_ops", "vLLM"),
 )
@@ -226,7 +233,7 @@ def matrix(peers: tuple[Peer, ...] = PEERS) -> dict:
     from decodespec.spec import registry
 
     columns = {peer.name: column(peer) for peer in peers}
-    return {
+    result = {
         "command": "make peers",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
@@ -245,6 +252,11 @@ def matrix(peers: tuple[Peer, ...] = PEERS) -> dict:
         },
         "peers": columns,
     }
+    if columns.get("llama.cpp", {}).get("ran"):
+        from tests.peers.mask_order import compare
+
+        result["mask_order"] = compare()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

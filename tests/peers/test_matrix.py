@@ -12,7 +12,9 @@ cores), so the suite checks it in parts that together leave nothing out:
 - one column is run again here and equals its committed one, so a run does
   reproduce (the runner, the derandomized suite, the cell rules);
 - the llama.cpp loop is run again on every committed prompt: its tokenizer
-  still agrees with this engine's, prompt by prompt, as committed.
+  still agrees with this engine's, prompt by prompt, as committed;
+- the mask-order comparison is run again: its grammar states and constructed
+  cases (which depend on no model arithmetic) are the committed ones.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ CPU_PEERS = (
     "PyTorch SDPA",
     "PyTorch FlexAttention",
     "llama.cpp",
+    "xgrammar CPU",
+    "xgrammar torch",
+    "llguidance numpy",
+    "llguidance torch",
 )
 RERUN = "PyTorch SDPA"  # the quickest column (attention only, torch only)
 STALE = "the matrix's sources changed: run `make peers` and commit results/peers.json"
@@ -106,6 +112,17 @@ def test_llama_cpp_tokenizes_the_prompts_as_this_engine_does():
     assert len(loop["prompts"]) == len(committed)
     for now, then in zip(loop["prompts"], committed, strict=True):
         assert now["tokenizer_equal"] == then["tokenizer_equal"], now
+
+
+def test_the_mask_order_comparison_is_the_committed_one():
+    from tests.peers.mask_order import compare
+
+    now, committed = compare(), COMMITTED["mask_order"]
+    for fresh, then in zip(now["grammars"], committed["grammars"], strict=True):
+        assert fresh["constructed"] == then["constructed"], fresh["name"]
+        keys = ("prefix", "llama_cpp_allowed", "xgrammar_allowed", "equal")
+        for a, b in zip(fresh["steps"], then["steps"], strict=True):
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
 
 
 def test_a_cell_says_why_it_is_not_a_pass():
