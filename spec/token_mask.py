@@ -56,9 +56,17 @@ filters (SEMANTICS.md, "Structured outputs"). The filters therefore choose
 among allowed tokens: each keeps every maximum of its input (SAMPLE-ORDER-1),
 so a row with one allowed token keeps at least one, and top-p can never leave
 a row with nothing allowed. "Raw" logprobs (LOGPROB-RAW-1) stay the model's
-own, unmasked; "processed" ones include the mask. Among other engines, vLLM
-masks the raw logits too, SGLang masks after the penalties, and llama.cpp
-masks only when the token its chain sampled is rejected.
+own, unmasked; "processed" ones include the mask. Why first: masking
+commutes with the processors, which act token by token (−inf stays −inf,
+allowed entries are processed alike), so only the filters, which look at the
+whole row, can tell the orders apart, and masking first is the one order in
+which they only ever see tokens that can be emitted. Among other engines,
+vLLM masks the raw logits too; SGLang masks after the penalties, which gives
+the same logits; llama.cpp runs its whole chain on the unmasked logits and
+masks (then runs the chain again) only when the sampled token is rejected,
+so its top-p nucleus is the unmasked one: with the nucleus allowed and
+disallowed mass below it, it can emit tokens mask-first removes
+(tests/peers/test_mask_order.py, the Peers page).
 
 [MASK-SAMPLE-1] `sample` and `process_logits` (`decodespec.spec.sampling`)
 take an optional `token_bitmask`, `[batch, words]` int32, and apply it to

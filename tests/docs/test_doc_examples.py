@@ -48,4 +48,7 @@ def test_the_serve_page_has_examples_that_need_the_live_server():
 def test_python_example_runs(page, index, code, request):
     if LIVE_URL in code:
         code = code.replace(LIVE_URL, request.getfixturevalue("live_server").url)
-    exec(compile(code, f"docs/{page} (python block {index})", "exec"), {"__name__": "__doc__"})
+    # dont_inherit: run it as a user's script runs, without this module's
+    # `from __future__ import annotations` (pydantic models need real annotations).
+    name = f"docs/{page} (python block {index})"
+    exec(compile(code, name, "exec", dont_inherit=True), {"__name__": "__doc__"})
