@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from decodespec.reference.engine import Engine
@@ -49,6 +49,7 @@ GRAMMARS = {
     "grammar": StructuredOutput("grammar", source='root ::= "(" [0-9]* ")"', field="t"),
 }
 NAMES = tuple(GRAMMARS)
+SHARED_PROMPTS = (list(b"Answer in JSON, please: "), list(b"Answer in JSON, please: yes?"))
 
 
 def complete(name: str, text: str) -> bool:
@@ -93,7 +94,10 @@ def constrained_workloads(draw: st.DrawFn, sampled: bool = True, max_requests: i
     """(prompt, params, arrival step, grammar name or None), at least one constrained."""
     requests = []
     for i in range(draw(st.integers(1, max_requests))):
-        prompt = draw(st.lists(st.integers(0, 255), min_size=1, max_size=10))
+        # Shared prompts, so that later requests map cached blocks (prefix caching).
+        prompt = draw(
+            st.sampled_from(SHARED_PROMPTS) | st.lists(st.integers(0, 255), min_size=1, max_size=10)
+        )
         params = draw(request_params(sampled and draw(st.booleans()), VOCAB))
         name = draw(st.sampled_from((*NAMES, None))) if i else draw(st.sampled_from(NAMES))
         if name is not None:  # a grammar ends with EOS; min_tokens is another test's
@@ -170,7 +174,11 @@ def check(engine: Engine, weights, workload, ids, events, skip=()) -> None:
 def test_constrained_requests_in_a_batch_are_each_the_spec_loop(workload, seed, block_size, naive):
     weights = small_model(seed)
     engine = Engine(weights, TOKENIZER, block_size=block_size, naive=naive)
-    check(engine, weights, workload, *run(engine, workload))
+    ids, events = run(engine, workload)
+    check(engine, weights, workload, ids, events)
+    if not naive:
+        cached = sum(engine.output(i).cached_tokens or 0 for i in ids.values())
+        event(f"prompt tokens served by the prefix cache > 0: {cached > 0}")
 
 
 @pytest.mark.clause("LOOP-GRAMMAR-1", "MASK-ADVANCE-1")
@@ -359,3 +367,19 @@ def test_a_model_drafter_draws_its_drafts_from_masked_distributions(drafter):
     while engine.has_unfinished():
         engine.step()
     assert checked, "the drafter proposed nothing: the test shows nothing"
+
+
+@pytest.mark.clause("LOOP-PREFIX-1", "LOOP-GRAMMAR-1")
+def test_a_constrained_request_on_a_cached_prefix_is_the_spec_loop():
+    """The second request maps the first one's prompt blocks and still writes what the
+    spec loop writes under its grammar."""
+    weights = small_model(6)
+    engine = Engine(weights, TOKENIZER, block_size=4)
+    prompt = list(b"Answer in JSON, please: ")
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=20)
+    workload = [(prompt, params, 0, "json"), (prompt, params, 30, "json")]
+    ids, events = run(engine, workload)
+    # Every full block but the one holding the last prompt token, which always runs.
+    assert engine.output(ids[1]).cached_tokens == (len(prompt) - 1) // 4 * 4 > 0
+    check(engine, weights, workload, ids, events)
+    assert [e.token_id for e in events[ids[0]]] == [e.token_id for e in events[ids[1]]]
