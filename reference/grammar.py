@@ -18,7 +18,9 @@ measurements are in `docs/structured.md`.
 
 Bad input is a `GrammarError` (a `ParameterError` naming the request field
 it came from) raised by `compile`, before any model work: a schema that is
-not JSON or uses a type xgrammar does not know, a regular expression or
+not JSON, not valid under the JSON Schema meta-schema, or uses a keyword no
+grammar can enforce (`not`, `if`, `uniqueItems`, ..., which xgrammar would
+silently ignore) or a reference outside itself, a regular expression or
 grammar that does not parse, a grammar that admits no string, a source
 longer than `MAX_SOURCE_BYTES`.
 """
@@ -57,6 +59,26 @@ JSON_FORMAT = {"any_whitespace": True, "max_whitespace_cnt": 24}
 # xgrammar's C++ errors start with a time stamp and a source location:
 # "[11:38:31] /project/cpp/regex_converter.cc:83: Regex parsing error ...".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+# JSON Schema keywords a grammar cannot enforce (a context-free grammar cannot say "not
+# this", "all different" or "if this then that"): xgrammar would ignore them silently and
+# let through output the schema refuses, so a schema that uses them is refused instead.
+UNSUPPORTED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "uniqueItems",
+    "contains",
+    "dependentSchemas",
+    "dependencies",
+    "$dynamicRef",
+)
+# Keywords whose value is a schema, a list of schemas or a mapping of names to schemas.
+_SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
 class GrammarError(ParameterError):
@@ -174,6 +196,8 @@ class Grammars:
 
     def compile(self, output: StructuredOutput) -> xgrammar.CompiledGrammar:
         """The compiled grammar (xgrammar's, cached by it), or `GrammarError`."""
+        if output.kind == "json_schema":
+            check_schema(output.source, output.field)
         compiler = self._xgrammar_compiler()
         try:
             if output.kind == "json_schema":
@@ -207,6 +231,59 @@ class Grammars:
         bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
         xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
         return bool(bitmask.any())
+
+
+def check_schema(source: str, field: str) -> None:
+    """A JSON Schema this engine can enforce: JSON text, valid under the JSON Schema
+    meta-schema (2020-12), without UNSUPPORTED_KEYWORDS or references outside itself.
+
+    Raises:
+        GrammarError: naming `field`, the keyword and where it is ("at /properties/a").
+    """
+    import jsonschema  # only a request with a schema needs it
+
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as error:
+        raise GrammarError(field, f"{field}: not JSON: {error}") from None
+    if not isinstance(schema, dict | bool):
+        raise GrammarError(field, f"{field}: a JSON Schema is an object or a boolean")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as error:
+        where = "/" + "/".join(str(p) for p in error.path)
+        raise GrammarError(
+            field, f"{field}: not a valid JSON Schema at {where}: {error.message}"
+        ) from None
+    _check_keywords(schema, field, "")
+
+
+def _check_keywords(schema: object, field: str, where: str) -> None:
+    if not isinstance(schema, dict):
+        return
+    for keyword in UNSUPPORTED_KEYWORDS:
+        if keyword in schema:
+            raise GrammarError(
+                field,
+                f"{field}: {keyword!r} (at {where or '/'}) is not supported: a grammar cannot "
+                "enforce it",
+            )
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise GrammarError(
+            field, f"{field}: $ref {ref!r} (at {where or '/'}): only references inside the "
+            "schema (#/...) are supported",
+        )  # fmt: skip
+    for key in _SUBSCHEMA:
+        _check_keywords(schema.get(key), field, f"{where}/{key}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, item in enumerate(schema[key]):
+                _check_keywords(item, field, f"{where}/{key}/{i}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, item in schema[key].items():
+                _check_keywords(item, field, f"{where}/{key}/{name}")
 
 
 def _choice_grammar(choices: Sequence[str]) -> str:

@@ -254,6 +254,24 @@ def test_drafts_that_leave_the_grammar_are_cut_before_verification():
     [
         (StructuredOutput("json_schema", source='{"type": "objec"}', field="f"), "objec"),
         (StructuredOutput("json_schema", source="{not json", field="f"), "JSON"),
+        (
+            StructuredOutput("json_schema", source='{"minLength": "x"}', field="f"),
+            "not a valid JSON Schema at /minLength",
+        ),
+        (
+            StructuredOutput.json_schema(
+                {"properties": {"a": {"type": "array", "uniqueItems": True}}}, field="f"
+            ),
+            "'uniqueItems' (at /properties/a) is not supported",
+        ),
+        (
+            StructuredOutput.json_schema({"anyOf": [{"not": {"type": "null"}}]}, field="f"),
+            "'not' (at /anyOf/0) is not supported",
+        ),
+        (
+            StructuredOutput.json_schema({"$ref": "https://example.com/s.json"}, field="f"),
+            "only references inside the schema",
+        ),
         (StructuredOutput("regex", source="a(b", field="f"), "parenthesis"),
         (StructuredOutput("grammar", source='root ::= "a" |', field="f"), "EBNF"),
         (StructuredOutput("grammar", source='root ::= root "a"', field="f"), "admits no string"),
