@@ -32,7 +32,7 @@ from tests.engine.test_engine_vs_spec import (
     request_params,
     small_model,
 )
-from tests.engine.toy import ByteTokenizer
+from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
 TOKENIZER = ByteTokenizer()
 EOS = TOKENIZER.eos_token_ids[0]
@@ -401,3 +401,16 @@ def test_a_constrained_request_on_a_cached_prefix_is_the_spec_loop():
     assert engine.output(ids[1]).cached_tokens == (len(prompt) - 1) // 4 * 4 > 0
     check(engine, weights, workload, ids, events)
     assert [e.token_id for e in events[ids[0]]] == [e.token_id for e in events[ids[1]]]
+
+
+@pytest.mark.clause("LOOP-GRAMMAR-1", "MASK-SAMPLE-1")
+@settings(max_examples=3)
+@given(workload=constrained_workloads(max_requests=3), seed=st.integers(0, 50))
+def test_the_triton_backend_under_grammars_is_the_spec_loop(workload, seed):
+    """The kernels' fused mask (the Triton interpreter without a GPU)."""
+    pytest.importorskip("triton")
+    weights = random_weights(
+        small_config(max_context=64, vocab_size=VOCAB, hidden_size=16, num_layers=1), seed=seed
+    )
+    engine = Engine(weights, TOKENIZER, backend="triton", block_size=4, cache_tokens=256)
+    check(engine, weights, workload, *run(engine, workload))
