@@ -393,6 +393,12 @@ def run_mode(
             seconds = time.perf_counter() - begin - (timers.extra_ns - extra) / 1e9
             emitted = [o for o in outputs if o.token_id is not None]
             started.update(o.request_id for o in emitted)
+            if len(steps) % 25 == 24:
+                print(
+                    f"    step {len(steps) + 1}, {time.perf_counter() - start:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             steps.append(
                 Step(
                     seconds,
