@@ -374,9 +374,15 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
     libraries = ("xgrammar", "llguidance")
     schemas = list(matchers["compile_ms"])
     peer_rows = []
+
+    def fills(figures: dict | None) -> str:
+        keys = ("mean_us", "median_us", "p99_us", "max_us")
+        return " / ".join(
+            _us((figures or {}).get(k), ".0f" if k == "max_us" else ".1f") for k in keys
+        )
+
     for name in libraries:
         lib = matchers[name]
-        fill = lib["fill"] or {}
         compile_ms = " / ".join(
             f"{matchers['compile_ms'][s][f'{name}_compile_ms']:.1f}" for s in schemas
         )
@@ -390,7 +396,8 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
                 f"{lib['tables_ms']:.0f}",
                 compile_ms,
                 unbounded,
-                " / ".join(_us(fill.get(k)) for k in ("median_us", "p90_us", "max_us")),
+                fills(lib["fill"]),
+                fills(lib.get("fill_without_maxLength")),
                 str(lib["rejected_tokens"]),
             ]
         )
@@ -430,7 +437,11 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
             ],
             validity,
         )
-        + "\n\n"
+        + f"\n\nAdding the {report['prompts']} requests took "
+        + f"{report['constrained']['add_requests_s']:.2f} s constrained (each schema is "
+        + "compiled once, then cached) and "
+        + f"{report['unconstrained']['add_requests_s']:.2f} s unconstrained. "
+        + (f"Note: {report['speed_note']}.\n\n" if report.get("speed_note") else "\n\n")
         + table(["schema", "prompts", "schema-valid, unconstrained", "constrained"], by_schema)
         + '\n\n??? note "The schemas, and a prompt of each"\n\n'
         + "".join(
@@ -478,13 +489,16 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
                 "tokenizer tables ms",
                 "compile ms",
                 "compile ms without maxLength",
-                "fill µs median / p90 / max",
+                "fill µs mean / median / p99 / max",
+                "the same without maxLength",
                 "tokens rejected",
             ],
             peer_rows,
         )
         + f"\n\n{matchers['masks_compared']} masks compared; the two differed on "
-        + f"{matchers['masks_differing']} (mean allowed tokens: xgrammar "
+        + f"{matchers['masks_differing']}, by "
+        + f"{_us(matchers.get('mean_tokens_differing'))} tokens a mask on average "
+        + "(mean allowed tokens: xgrammar "
         + f"{_us(matchers['xgrammar']['mean_allowed_tokens'], '.0f')}, llguidance "
         + f"{_us(matchers['llguidance']['mean_allowed_tokens'], '.0f')}).\n\n"
         + f"{hashes}# Targets\n\n"
