@@ -4,7 +4,8 @@ Without CUDA a GPU benchmark refuses before doing any work; `--smoke` runs it
 on tiny shapes in the Triton interpreter and writes a results file of the real
 run's form. The CPU benchmark of speculative decoding runs its `--smoke` on a
 tiny random model, and so does the prefix-caching one; the serving benchmark's
-`--smoke` serves the bundled model to a few clients for a few tokens.
+`--smoke` serves the bundled model to a few clients for a few tokens, and the
+structured-outputs one runs 4 prompts of the bundled model for a few tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ SAMPLING_PEERS = {"sort_based", "flashinfer"}
 SPECULATIVE = [sys.executable, "-m", "tests.benchmarks.speculative"]
 SERVE = [sys.executable, "-m", "tests.benchmarks.serve"]
 PREFIX = [sys.executable, "-m", "tests.benchmarks.prefix"]
+STRUCTURED = [sys.executable, "-m", "tests.benchmarks.structured"]
 GPU_CHECK = [sys.executable, "-m", "tests.benchmarks.gpu_check"]
 GPU_ENGINE = [sys.executable, "-m", "tests.benchmarks.gpu_engine"]
 
@@ -229,6 +231,55 @@ def test_prefix_benchmark_smoke(tmp_path):
     section = prefix_section(report)
     assert "Smoke run" in section and "| 24 |" in section and "ttft-prefix-cache.svg" in section
     assert prefix_cache_figure(report).startswith("<svg")
+
+
+def test_structured_benchmark_smoke(tmp_path):
+    """Both modes over the four schemas, the mask's cost, both matchers on the same tokens."""
+    from docs.tools.performance import structured_section
+
+    out = tmp_path / "results" / "structured-cpu.json"
+    result = run([*STRUCTURED, "--smoke", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and "not measurements" in report["note"]
+    header = {"benchmark", "command", "date", "device", "cores", "threads", "software", "model"}
+    assert header | {"batching", "sampling", "load_average", "targets", "anchor"} <= set(report)
+    assert {"python", "torch", "xgrammar", "llguidance", "jsonschema"} <= set(report["software"])
+    assert report["prompts"] == 4 and set(report["schemas"]) == {"flat", "nested", "enum", "array"}
+    for mode in ("unconstrained", "constrained"):
+        m = report[mode]
+        assert m["requests"] == 4 and set(m["by_schema"]) == set(report["schemas"])
+        assert sum(m["finish_reasons"].values()) == 4
+        assert set(m["finish_reasons"]) <= {"stop", "length"}
+        for key in ("valid_json_rate", "schema_valid_rate", "schema_valid_rate_with_fenced"):
+            assert 0 <= m[key] <= 1, key
+        assert m["schema_valid_rate"] <= m["valid_json_rate"]
+        assert is_finite_number(m["decode_tokens_per_s"]) and m["decode_tokens_per_s"] > 0
+        assert mode in result.stdout
+    assert report["unconstrained"]["mask_fills"] == 0
+    constrained = report["constrained"]
+    # A mask for every decode-phase token of a constrained request.
+    assert constrained["mask_fills"] == constrained["decode_tokens"] > 0
+    # A constrained answer that stopped is complete: it parses and fits its schema.
+    stopped = constrained["finish_reasons"].get("stop", 0)
+    assert constrained["schema_valid_rate"] * 4 >= stopped
+    cost = report["mask_overhead"]
+    for key in ("fill_us_per_token", "mask_us_per_token", "decode_us_per_token"):
+        assert is_finite_number(cost[key]), key
+    assert is_finite_number(cost["percent_of_decode"])
+    assert cost["fill_us_per_token"] > 0 and cost["decode_us_per_token"] > 0
+    matchers = report["matchers"]
+    for name in ("xgrammar", "llguidance"):
+        lib = matchers[name]
+        assert lib["rejected_tokens"] == 0, name
+        assert lib["fill"]["masks"] == matchers["masks_compared"] > 0
+        assert is_finite_number(lib["tables_ms"]) and is_finite_number(lib["fill"]["median_us"])
+    assert set(matchers["compile_ms"]) == set(report["schemas"])
+    assert [t["met"] in (True, False) for t in report["targets"]] == [True, True]
+
+    section = structured_section(report)
+    assert "Smoke run" in section and "| constrained |" in section
+    assert report["date"] in section and "xgrammar 0." in section
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: it runs")

@@ -6,7 +6,9 @@ from `results/` and `docs/data/` by `docs.tools.figures`) to the site's files,
 and fills each page's `<!-- measured: NAME -->` markers with the device,
 date and command of that data file, so pages, figures and captions always
 show the data files they were built with. It fills `peers.md` from
-`results/peers.json` (`make peers`) with `docs.tools.peers`.
+`results/peers.json` (`make peers`) with `docs.tools.peers`, and the
+`<!-- structured-results -->` marker of `structured.md` from
+`results/structured-cpu.json` (`make bench-structured`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from docs.tools import peers  # noqa: E402
-from docs.tools.figures import all_figures, fill_captions  # noqa: E402
-from docs.tools.performance import performance_figures, performance_page  # noqa: E402
+from docs.tools.figures import RESULTS_DIR, all_figures, fill_captions, read_json  # noqa: E402
+from docs.tools.performance import (  # noqa: E402
+    STRUCTURED_FILE,
+    performance_figures,
+    performance_page,
+    structured_section,
+)
 
 PERFORMANCE_PAGE = "performance.md"
+STRUCTURED_MARKER = "<!-- structured-results -->"
 
 
 def generated_files(config: MkDocsConfig) -> list[File]:
@@ -68,7 +76,11 @@ def peers_page(markdown: str) -> str:
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
-    """Fill the `<!-- measured: NAME -->` captions under the figures, and the peers page."""
+    """Fill the `<!-- measured: NAME -->` captions under the figures, the peers page and
+    the structured-outputs page's results."""
     if page.file.src_uri == "peers.md":
         markdown = peers_page(markdown)
+    if page.file.src_uri == "structured.md":
+        report = read_json(RESULTS_DIR / STRUCTURED_FILE)
+        markdown = markdown.replace(STRUCTURED_MARKER, structured_section(report, link=False))
     return fill_captions(markdown)

@@ -8,6 +8,7 @@ file records, or says how to measure it when the file is missing.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from docs.tools import svg
@@ -19,6 +20,7 @@ SAMPLING_FILE = "sampling-gpu.json"
 SPECULATIVE_FILE = "cpu-speculative.json"
 SERVE_FILE = "serve-cpu.json"
 PREFIX_FILE = "prefix-cpu.json"
+STRUCTURED_FILE = "structured-cpu.json"
 PREFIX_FIGURE = f"{FIGURES}/ttft-prefix-cache.svg"
 ATTENTION_FIGURE = f"{FIGURES}/attention-bandwidth.svg"
 SAMPLING_FIGURE = f"{FIGURES}/sampling-one-read.svg"
@@ -51,7 +53,7 @@ def measured_on(environment: dict, command: str) -> str:
     """One line: device, software versions, date and the command that measured it."""
     software = ", ".join(
         f"{name} {environment[name]}"
-        for name in ("python", "torch", "triton", "cuda", "transformers")
+        for name in ("python", "torch", "triton", "cuda", "transformers", "xgrammar", "llguidance")
         if environment.get(name)
     )
     return (
@@ -322,6 +324,188 @@ def prefix_section(report: dict | None) -> str:
     )
 
 
+# ---------------------------------------------------------------- structured outputs
+
+
+def _us(value: float | None, spec: str = ".1f") -> str:
+    return "–" if value is None else f"{value:{spec}}"
+
+
+def _finish_reasons(reasons: dict) -> str:
+    return ", ".join(f"{name} {count}" for name, count in sorted(reasons.items()))
+
+
+def structured_section(report: dict | None, level: int = 2, link: bool = True) -> str:
+    """Structured outputs: valid rates unconstrained and constrained, decode speed,
+    the mask's cost per token, and xgrammar against llguidance on the same tokens.
+    `level` is the heading's level; `link` points to the structured-outputs page."""
+    hashes = "#" * level
+    heading = f"{hashes} Structured outputs on a CPU\n\n"
+    if report is None:
+        return heading + not_measured(STRUCTURED_FILE, "make bench-structured").replace(
+            " on a GPU", ""
+        )
+    modes = [("unconstrained", report["unconstrained"]), ("constrained", report["constrained"])]
+    validity = [
+        [
+            name,
+            f"{m['valid_json_rate']:.0%}",
+            f"{m['schema_valid_rate']:.0%}",
+            f"{m['valid_json_rate_with_fenced']:.0%} / {m['schema_valid_rate_with_fenced']:.0%}",
+            _finish_reasons(m["finish_reasons"]),
+            f"{m['completion_tokens_per_request']:.0f}",
+            _us(m["decode_tokens_per_s"]),
+            _us(m["end_to_end_tokens_per_s"]),
+        ]
+        for name, m in modes
+    ]
+    by_schema = [
+        [
+            name,
+            str(report["constrained"]["by_schema"][name]["prompts"]),
+            f"{report['unconstrained']['by_schema'][name]['schema']:.0%}",
+            f"{report['constrained']['by_schema'][name]['schema']:.0%}",
+        ]
+        for name in report["constrained"]["by_schema"]
+    ]
+    cost = report["mask_overhead"]
+    constrained = report["constrained"]
+    matchers = report["matchers"]
+    libraries = ("xgrammar", "llguidance")
+    schemas = list(matchers["compile_ms"])
+    peer_rows = []
+
+    def fills(figures: dict | None) -> str:
+        keys = ("mean_us", "median_us", "p99_us", "max_us")
+        return " / ".join(
+            _us((figures or {}).get(k), ".0f" if k == "max_us" else ".1f") for k in keys
+        )
+
+    for name in libraries:
+        lib = matchers[name]
+        compile_ms = " / ".join(
+            f"{matchers['compile_ms'][s][f'{name}_compile_ms']:.1f}" for s in schemas
+        )
+        unbounded = " / ".join(
+            f"{matchers['compile_ms'][s][f'{name}_compile_ms_without_maxLength']:.1f}"
+            for s in schemas
+        )
+        peer_rows.append(
+            [
+                f"{name} {lib['version']}",
+                f"{lib['tables_ms']:.0f}",
+                compile_ms,
+                unbounded,
+                fills(lib["fill"]),
+                fills(lib.get("fill_without_maxLength")),
+                str(lib["rejected_tokens"]),
+            ]
+        )
+    anchor = report["anchor"]
+    link_text = (
+        "The feature, its interfaces and the choice of xgrammar: "
+        "[Structured outputs](structured.md).\n\n"
+        if link
+        else ""
+    )
+    return (
+        heading
+        + smoke_warning(report)
+        + f"{measured_on(cpu_environment(report), report['command'])} "
+        + "**Load average** (1, 5, 15 minutes, before / after): "
+        + f"{' '.join(str(x) for x in report['load_average'][:3])} / "
+        + f"{' '.join(str(x) for x in report['load_average'][3:])}: a shared machine, "
+        + "so the timings are noisy.\n\n"
+        + link_text
+        + f"Model: {report['model']}, backend `{report['backend']}`. {report['prompts']} "
+        + "prompts asking for a JSON object of one of four schemas (its keys named in "
+        + "words), each run unconstrained and constrained by its schema; "
+        + f"{report['sampling']}; {report['batching']}. Strict: the whole text parses as "
+        + "JSON (and fits the schema, checked with `jsonschema`); lenient: else the first "
+        + "fenced ```` ```json ```` block does. Decode tok/s: the tokens of the steps after "
+        + "every request has its first token, over their wall time.\n\n"
+        + table(
+            [
+                "mode",
+                "valid JSON",
+                "schema-valid",
+                "lenient: JSON / schema",
+                "finish reasons",
+                "tokens per answer",
+                "decode tok/s",
+                "end-to-end tok/s",
+            ],
+            validity,
+        )
+        + f"\n\nAdding the {report['prompts']} requests took "
+        + f"{report['constrained']['add_requests_s']:.2f} s constrained (each schema is "
+        + "compiled once, then cached) and "
+        + f"{report['unconstrained']['add_requests_s']:.2f} s unconstrained. "
+        + (f"Note: {report['speed_note']}.\n\n" if report.get("speed_note") else "\n\n")
+        + table(["schema", "prompts", "schema-valid, unconstrained", "constrained"], by_schema)
+        + '\n\n??? note "The schemas, and a prompt of each"\n\n'
+        + "".join(
+            f'    - **{name}**: `{json.dumps(schema)}`; "{report["prompt_examples"][name]}"\n'
+            for name, schema in report["schemas"].items()
+        )
+        + f"\n\n{hashes}# The mask's cost per token\n\n"
+        + "Timed from outside the engine: the matcher filling each constrained row's mask "
+        + "(`LogitsState.fill_bitmask`), and each masked sampling call against the same "
+        + "call on the same logits without the mask.\n\n"
+        + table(
+            ["", "µs per token"],
+            [
+                [
+                    "mask fill (xgrammar, in the engine; median "
+                    f"{_us(constrained['fill_us_median'])}, "
+                    f"max {_us(constrained['fill_us_max'], '.0f')})",
+                    _us(cost["fill_us_per_token"]),
+                ],
+                [
+                    "sampling with the mask − without it "
+                    f"({_us(cost['masked_sample_us_per_token'], '.0f')} − "
+                    f"{_us(cost['unmasked_sample_us_per_token'], '.0f')})",
+                    _us(cost["masked_minus_unmasked_sampling_us_per_token"]),
+                ],
+                ["**the mask, in all**", f"**{_us(cost['mask_us_per_token'])}**"],
+                ["decode time per token, constrained", _us(cost["decode_us_per_token"], ".0f")],
+                [
+                    "the mask's share of decode time (bar: under 10%)",
+                    "–"
+                    if cost["percent_of_decode"] is None
+                    else f"{cost['percent_of_decode']:.2f}%",
+                ],
+            ],
+        )
+        + f"\n\n{hashes}# xgrammar and llguidance on the same tokens\n\n"
+        + "The constrained answers' tokens replayed through both matchers on "
+        + f"{matchers['threads']} thread, one after the other at each token, same schemas "
+        + f"({matchers['json_options']}); {matchers['statistic']}. Compile times per schema "
+        + f"in the order {' / '.join(schemas)}. Anchor: {anchor['source']} states "
+        + f"{anchor['statement']}; this vocabulary has {matchers['vocab_size']:,} tokens.\n\n"
+        + table(
+            [
+                "matcher",
+                "tokenizer tables ms",
+                "compile ms",
+                "compile ms without maxLength",
+                "fill µs mean / median / p99 / max",
+                "the same without maxLength",
+                "tokens rejected",
+            ],
+            peer_rows,
+        )
+        + f"\n\n{matchers['masks_compared']} masks compared; the two differed on "
+        + f"{matchers['masks_differing']}, by "
+        + f"{_us(matchers.get('mean_tokens_differing'))} tokens a mask on average "
+        + "(mean allowed tokens: xgrammar "
+        + f"{_us(matchers['xgrammar']['mean_allowed_tokens'], '.0f')}, llguidance "
+        + f"{_us(matchers['llguidance']['mean_allowed_tokens'], '.0f')}).\n\n"
+        + f"{hashes}# Targets\n\n"
+        + targets_list(report["targets"])
+    )
+
+
 # ---------------------------------------------------------------- GPU kernels
 
 
@@ -398,6 +582,7 @@ def performance_page(results_dir: Path = RESULTS_DIR) -> str:
         speculative_section(read_json(results_dir / SPECULATIVE_FILE)),
         serve_section(read_json(results_dir / SERVE_FILE)),
         prefix_section(read_json(results_dir / PREFIX_FILE)),
+        structured_section(read_json(results_dir / STRUCTURED_FILE)),
         attention_section(read_json(results_dir / ATTENTION_FILE)),
         sampling_section(read_json(results_dir / SAMPLING_FILE)),
     ]

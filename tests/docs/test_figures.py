@@ -235,6 +235,7 @@ def test_missing_results_say_not_measured_yet(tmp_path):
     assert "Not measured yet: run `make bench-cpu`" in page
     assert "Not measured yet: run `make bench-serve`" in page
     assert "Not measured yet: run `make bench-prefix`" in page
+    assert "Not measured yet: run `make bench-structured`" in page
     assert "make bench-serve` on a GPU" not in page
     assert performance_figures(tmp_path) == {}
 
@@ -301,6 +302,27 @@ def test_performance_page_and_home_figure_show_the_prefix_caching_benchmark():
     caption = fill_captions("<!-- measured: prefix-cpu -->")
     assert prefix["device"] in caption and prefix["command"] in caption
     parse_svg(all_figures()["assets/figures/ttft-prefix-cache.svg"])
+
+
+def test_performance_page_shows_the_structured_outputs_benchmark():
+    report = json.loads((ROOT / "results" / "structured-cpu.json").read_text())
+    assert report["smoke"] is False and report["prompts"] == 50
+    page = performance_page()
+    assert "## Structured outputs on a CPU" in page and report["command"] in page
+    assert report["device"] in page and report["date"] in page
+    for mode in ("unconstrained", "constrained"):
+        m = report[mode]
+        assert f"| {mode} | {m['valid_json_rate']:.0%} | {m['schema_valid_rate']:.0%} |" in page
+    for target in report["targets"]:
+        assert target["target"] in page
+
+
+def test_built_site_structured_page_renders_its_results(built_site):
+    report = json.loads((ROOT / "results" / "structured-cpu.json").read_text())
+    page = (built_site / "structured" / "index.html").read_text()
+    assert "<!-- structured-results -->" not in page
+    assert report["date"] in page and "xgrammar" in page and "llguidance" in page
+    assert 'href="../stages/token_mask/#mask-order-1"' in page
 
 
 def test_captions_name_device_date_and_command():
