@@ -10,13 +10,12 @@ MASK-MATCHER-1). What the bitmask does to the logits is the spec's
 `token_mask` stage, applied inside `sample` (MASK-SAMPLE-1).
 
 Why xgrammar (`make bench-structured`, docs/structured.md): on this model
-(49,152 tokens, one thread) its mask fills took a median 1.8 µs against
-llguidance's 12 µs on schemas without length bounds, its tokenizer tables
-16 ms against 88 ms, and it is vLLM's default, so its behaviour is the one
-most users meet; both roll back, which speculative drafts need. llguidance
-compiles a schema whose strings have `maxLength` in under a millisecond where
-xgrammar takes hundreds (it unrolls the bound), a cost paid once per new
-schema, when its first request is added.
+(49,152 tokens, one thread) it and llguidance fill masks about equally fast;
+xgrammar builds its vocabulary tables faster, and llguidance compiles a
+schema far faster (under a millisecond against tens, hundreds with
+`maxLength`: a cost paid once per new schema). Both roll back, which
+speculative drafts need. xgrammar's EBNF is llama.cpp's GBNF, so grammars
+written for llama.cpp work as they are, and it is vLLM's default backend.
 
 Bad input is a `GrammarError` (a `ParameterError` naming the request field
 it came from) raised by `compile`, before any model work: a schema that is

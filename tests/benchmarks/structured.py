@@ -49,10 +49,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -62,19 +60,19 @@ from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
-import jsonschema
 import torch
 
 from decodespec.reference.backend import SERVE_BACKEND
 from decodespec.reference.engine import Engine
-from decodespec.reference.grammar import JSON_FORMAT, StructuredOutput
+from decodespec.reference.grammar import StructuredOutput
 from decodespec.reference.logits_state import LogitsState
 from decodespec.reference.request import RequestOutput
 from decodespec.spec.forward import ModelWeights
 from decodespec.spec.params import SamplingParams
-from decodespec.spec.token_mask import bitmask_words
 from tests.benchmarks.gpu import print_targets, write_json
+from tests.benchmarks.grammar_libraries import compare_matchers
 from tests.benchmarks.speculative import load
+from tests.benchmarks.structured_tasks import TASKS, Case, cases, check
 from tests.benchmarks.test_cpu_engine import cpu_report_header
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,200 +90,6 @@ SMOKE_NOTE = (
     "--smoke: 4 prompts, a few tokens each, one pass of the replay; "
     "these numbers check the command end to end and are not measurements."
 )
-
-
-@dataclass(frozen=True)
-class Task:
-    """A schema and the prompts that ask for it."""
-
-    name: str
-    schema: dict
-    ask: str  # with {subject}
-    keys: str
-    subjects: tuple[str, ...]
-
-    def prompt(self, subject: str) -> str:
-        return f"{self.ask.format(subject=subject)} Reply with only a JSON object with {self.keys}."
-
-
-def _object(properties: dict, required: Sequence[str] | None = None) -> dict:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(required if required is not None else properties),
-        "additionalProperties": False,
-    }
-
-
-TASKS = (
-    Task(
-        "flat",
-        _object(
-            {
-                "name": {"type": "string", "maxLength": 40},
-                "age": {"type": "integer", "minimum": 0},
-                "city": {"type": "string", "maxLength": 40},
-            }
-        ),
-        "Invent a character: {subject}.",
-        'the keys "name" (a string), "age" (an integer) and "city" (a string)',
-        (
-            "a retired sailor from Lisbon",
-            "a young violinist in Vienna",
-            "a baker who opens at dawn",
-            "a programmer from Osaka",
-            "a lighthouse keeper",
-            "a teacher in a mountain village",
-            "a chess champion",
-            "a nurse on night shifts",
-            "a street musician",
-            "a beekeeper",
-            "a taxi driver in Cairo",
-            "a marine biologist",
-            "a librarian who loves maps",
-        ),
-    ),
-    Task(
-        "nested",
-        _object(
-            {
-                "title": {"type": "string", "maxLength": 60},
-                "year": {"type": "integer"},
-                "author": _object(
-                    {"name": {"type": "string", "maxLength": 40}, "born": {"type": "integer"}}
-                ),
-            }
-        ),
-        "Invent a book about {subject}.",
-        'the keys "title" (a string), "year" (an integer) and "author", an object with '
-        '"name" (a string) and "born" (an integer)',
-        (
-            "the history of bridges",
-            "a cat who learns to fly",
-            "cooking with seaweed",
-            "the first trip to Mars",
-            "a detective in Venice",
-            "growing tomatoes",
-            "the life of bees",
-            "a lost city in the desert",
-            "learning to play chess",
-            "an old clockmaker",
-            "the northern lights",
-            "a friendly robot",
-            "the invention of paper",
-        ),
-    ),
-    Task(
-        "enum",
-        _object(
-            {
-                "task": {"type": "string", "maxLength": 60},
-                "priority": {"enum": ["low", "medium", "high"]},
-                "done": {"type": "boolean"},
-            }
-        ),
-        "Write a to-do item for this job: {subject}.",
-        'the keys "task" (a string), "priority" (one of "low", "medium" or "high") and '
-        '"done" (true or false)',
-        (
-            "paying the electricity bill",
-            "watering the plants",
-            "fixing a leaking roof",
-            "booking a dentist appointment",
-            "returning library books",
-            "renewing a passport",
-            "buying a birthday present",
-            "cleaning the garage",
-            "backing up the laptop",
-            "replacing a smoke alarm battery",
-            "calling grandmother",
-            "filing the tax return",
-        ),
-    ),
-    Task(
-        "array",
-        _object(
-            {
-                "dish": {"type": "string", "maxLength": 40},
-                "ingredients": {
-                    "type": "array",
-                    "items": {"type": "string", "maxLength": 30},
-                    "minItems": 2,
-                    "maxItems": 5,
-                },
-                "minutes": {"type": "integer", "minimum": 1},
-            }
-        ),
-        "Suggest a recipe for {subject}.",
-        'the keys "dish" (a string), "ingredients" (a list of 2 to 5 strings) and '
-        '"minutes" (an integer)',
-        (
-            "a quick breakfast",
-            "a cold summer day",
-            "a vegetarian dinner",
-            "a birthday cake",
-            "a rainy evening",
-            "a picnic",
-            "using leftover rice",
-            "a spicy soup",
-            "two people in ten minutes",
-            "a school lunch box",
-            "a winter stew",
-            "a fruit dessert",
-        ),
-    ),
-)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One prompt: its task, text and seed."""
-
-    task: Task
-    subject: str
-    seed: int
-
-
-def cases(smoke: bool) -> list[Case]:
-    """The 50 prompts (smoke: the first of each task), each with its own seed."""
-    subjects = [
-        (task, s) for task in TASKS for s in (task.subjects[:1] if smoke else task.subjects)
-    ]
-    return [Case(task, subject, seed) for seed, (task, subject) in enumerate(subjects)]
-
-
-# ---------------------------------------------------------------- validity
-
-FENCED = re.compile(r"```(?:json)?[ \t]*\n?(.*?)```", re.S)
-
-
-def check(text: str, schema: dict) -> dict:
-    """Strict: the whole text is JSON (and fits the schema); fenced: else the first
-    ```json block is."""
-
-    def parse(candidate: str) -> tuple[bool, bool]:
-        try:
-            value = json.loads(candidate)
-        except ValueError:
-            return False, False
-        try:
-            jsonschema.validate(value, schema)
-        except jsonschema.ValidationError:
-            return True, False
-        return True, True
-
-    strict_json, strict_schema = parse(text)
-    fenced_json, fenced_schema = strict_json, strict_schema
-    if not strict_json:
-        block = FENCED.search(text)
-        if block is not None:
-            fenced_json, fenced_schema = parse(block.group(1))
-    return {
-        "json": strict_json,
-        "schema": strict_schema,
-        "json_or_fenced": fenced_json,
-        "schema_or_fenced": fenced_schema,
-    }
 
 
 # ---------------------------------------------------------------- timing the engine
@@ -478,183 +282,6 @@ def mode_summary(outputs: list[RequestOutput], all_cases: list[Case], timing: di
         "completion_tokens_per_request": statistics.fmean(len(o.token_ids) for o in outputs),
         **timing,
         "examples": examples,
-    }
-
-
-# ---------------------------------------------------------------- xgrammar and llguidance
-
-
-class _LLGuidanceVocabulary:
-    """What `llguidance.TokenizerWrapper` reads: the token bytes, EOS, BOS, specials,
-    and encoding (used by llguidance only for grammar literals it tokenizes)."""
-
-    def __init__(self, tokenizer: object, tokens: list[bytes]) -> None:
-        self._tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_ids[0]
-        self.bos_token_id = tokenizer.bos_token_id
-        self.tokens = tokens
-        self.special_token_ids = sorted(tokenizer.special_token_ids)
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-
-def _median_ms(build, repeats: int) -> tuple[float, object]:
-    """The median wall time of `build()` in ms over `repeats` calls, and its last result."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = build()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times), result
-
-
-def _fill_figures(us: list[float]) -> dict:
-    ordered = sorted(us)
-    return {
-        "masks": len(us),
-        "mean_us": statistics.fmean(us),
-        "median_us": statistics.median(us),
-        "p90_us": ordered[int(0.9 * (len(ordered) - 1))],
-        "p99_us": ordered[int(0.99 * (len(ordered) - 1))],
-        "max_us": ordered[-1],
-    }
-
-
-def without_max_length(schema: object) -> object:
-    """`schema` with every "maxLength" removed (xgrammar compiles a bounded string
-    slowly: the length is unrolled into the grammar)."""
-    if isinstance(schema, dict):
-        return {k: without_max_length(v) for k, v in schema.items() if k != "maxLength"}
-    if isinstance(schema, list):
-        return [without_max_length(v) for v in schema]
-    return schema
-
-
-def _allowed(bitmask: torch.Tensor) -> int:
-    """How many tokens a `[1, words]` mask allows."""
-    return sum(bin(word & 0xFFFFFFFF).count("1") for word in bitmask[0].tolist())
-
-
-def compare_matchers(
-    tokenizer: object, vocab_size: int, sequences: dict[str, list[list[int]]], repeats: int
-) -> dict:
-    """xgrammar and llguidance on one thread: tables, compile per schema, and each mask
-    fill while replaying the constrained answers' tokens through both in lockstep."""
-    import llguidance
-    import llguidance.torch
-    import xgrammar
-
-    special = tokenizer.special_token_ids
-    raw = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-    xg_vocab = [b"" if i in special else raw[i] for i in range(len(raw))]
-    stops = list(tokenizer.eos_token_ids)
-
-    def xg_tables():
-        info = xgrammar.TokenizerInfo(
-            xg_vocab, xgrammar.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops
-        )
-        return xgrammar.GrammarCompiler(info, max_threads=1)
-
-    def ll_tables():
-        wrapper = llguidance.TokenizerWrapper(_LLGuidanceVocabulary(tokenizer, raw))
-        return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=stops)
-
-    xg_tables_ms, compiler = _median_ms(xg_tables, repeats)
-    ll_tables_ms, ll_tokenizer = _median_ms(ll_tables, repeats)
-    words = bitmask_words(vocab_size)
-    xg_mask = torch.zeros(1, words, dtype=torch.int32)
-    ll_mask = torch.zeros(1, words, dtype=torch.int32)
-    fills: dict[str, dict[str, list[float]]] = {
-        variant: {"xgrammar": [], "llguidance": []} for variant in ("bounded", "unbounded")
-    }
-    rows, total, differ, differing_tokens = {}, 0, 0, 0
-    allowed = {"xgrammar": 0, "llguidance": 0}
-    rejected = {"xgrammar": 0, "llguidance": 0}
-
-    def xg_compile(source: str):
-        compiler.clear_cache()
-        return compiler.compile_json_schema(source, **JSON_FORMAT)  # as the engine compiles
-
-    def ll_compile(source: str):
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            # Any whitespace between tokens, as the engine's xgrammar grammars allow.
-            source,
-            overrides={"whitespace_flexible": True},
-        )
-        matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
-        if matcher.is_error():
-            raise RuntimeError(f"llguidance: {matcher.get_error()}")
-        return grammar
-
-    for task in TASKS:
-        if task.name not in sequences:
-            continue
-        rows[task.name] = {}
-        # The schema as the engine ran it, then without its maxLength bounds (which only
-        # loosens it: the same tokens are accepted).
-        for variant, schema in (
-            ("bounded", task.schema),
-            ("unbounded", without_max_length(task.schema)),
-        ):
-            source = json.dumps(schema)
-            xg_ms, compiled = _median_ms(lambda source=source: xg_compile(source), repeats)
-            ll_ms, grammar = _median_ms(lambda source=source: ll_compile(source), repeats)
-            suffix = "" if variant == "bounded" else "_without_maxLength"
-            rows[task.name][f"xgrammar_compile_ms{suffix}"] = xg_ms
-            rows[task.name][f"llguidance_compile_ms{suffix}"] = ll_ms
-            us = fills[variant]
-            compare = variant == "bounded"
-            for tokens in sequences[task.name]:
-                xg = xgrammar.GrammarMatcher(compiled)
-                ll = llguidance.LLMatcher(ll_tokenizer, grammar)
-                for token in tokens:
-                    start = time.perf_counter_ns()
-                    xg.fill_next_token_bitmask(xg_mask, 0)
-                    middle = time.perf_counter_ns()
-                    llguidance.torch.fill_next_token_bitmask(ll, ll_mask, 0)
-                    end = time.perf_counter_ns()
-                    us["xgrammar"].append((middle - start) / 1000)
-                    us["llguidance"].append((end - middle) / 1000)
-                    ok_xg, ok_ll = xg.accept_token(token), ll.consume_token(token)
-                    if compare:
-                        total += 1
-                        differ += not torch.equal(xg_mask, ll_mask)
-                        differing_tokens += _allowed(xg_mask ^ ll_mask)
-                        allowed["xgrammar"] += _allowed(xg_mask)
-                        allowed["llguidance"] += _allowed(ll_mask)
-                        rejected["xgrammar"] += not ok_xg
-                        rejected["llguidance"] += not ok_ll
-                    if not (ok_xg and ok_ll):
-                        break
-
-    def library(name: str, tables_ms: float) -> dict:
-        bounded, unbounded = fills["bounded"][name], fills["unbounded"][name]
-        return {
-            "version": version(name),
-            "tables_ms": tables_ms,
-            "fill": _fill_figures(bounded) if bounded else None,
-            "fill_without_maxLength": _fill_figures(unbounded) if unbounded else None,
-            "mean_allowed_tokens": allowed[name] / total if total else None,
-            "rejected_tokens": rejected[name],
-        }
-
-    return {
-        "threads": 1,
-        "vocab_size": vocab_size,
-        "json_options": f"xgrammar {JSON_FORMAT} (the engine's); llguidance "
-        "whitespace_flexible=True",
-        "statistic": f"tables and compile: median of {repeats} builds (xgrammar's cache "
-        "cleared before each compile); fills: every mask of the replay, with the schemas "
-        "as run and again without their maxLength bounds",
-        "xgrammar": library("xgrammar", xg_tables_ms),
-        "llguidance": library("llguidance", ll_tables_ms),
-        "compile_ms": rows,
-        "masks_compared": total,
-        "masks_differing": differ,
-        "mean_tokens_differing": differing_tokens / total if total else None,
     }
 
 
