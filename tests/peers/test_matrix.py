@@ -115,9 +115,9 @@ def test_llama_cpp_tokenizes_the_prompts_as_this_engine_does():
 
 
 def test_the_mask_order_comparison_is_the_committed_one():
-    from tests.peers.mask_order import compare
+    from tests.peers.test_mask_order import compare_in_a_fresh_process
 
-    now, committed = compare(), COMMITTED["mask_order"]
+    now, committed = compare_in_a_fresh_process(), COMMITTED["mask_order"]
     for fresh, then in zip(now["grammars"], committed["grammars"], strict=True):
         assert fresh["constructed"] == then["constructed"], fresh["name"]
         keys = ("prefix", "llama_cpp_allowed", "xgrammar_allowed", "equal")
