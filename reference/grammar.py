@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from decodespec.spec.checks import ParameterError
+from decodespec.spec.token_mask import bitmask_words
 
 if TYPE_CHECKING:
     import xgrammar
@@ -196,7 +197,8 @@ class Grammars:
         return self._compiler
 
     def compile(self, output: StructuredOutput) -> xgrammar.CompiledGrammar:
-        """The compiled grammar (xgrammar's, cached by it), or `GrammarError`."""
+        """The compiled grammar (xgrammar's, cached by it), or `GrammarError` for a
+        source that does not compile."""
         if output.kind == "json_schema":
             check_schema(output.source, output.field)
         compiler = self._xgrammar_compiler()
@@ -214,24 +216,20 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as error:
             message = _LOCATION.sub("", str(error).strip()).splitlines()[0]
             raise GrammarError(output.field, f"{output.field}: {message}") from None
-        if not self._admits_a_string(compiled):
-            raise GrammarError(output.field, f"{output.field}: the grammar admits no string")
         return compiled
 
     def matcher(self, output: StructuredOutput) -> GrammarMatcher:
-        """A fresh matcher for one request (`compile`'s errors included)."""
+        """A fresh matcher for one request (`compile`'s errors included), or
+        `GrammarError` if its first step allows no token: the grammar admits no string
+        (left recursion without a base case, an empty character class)."""
         import xgrammar
 
-        return GrammarMatcher(xgrammar.GrammarMatcher(self.compile(output)))
-
-    def _admits_a_string(self, compiled: xgrammar.CompiledGrammar) -> bool:
-        """Whether the grammar's first step allows any token (left recursion without a
-        base case, or an empty character class, allows none)."""
-        import xgrammar
-
-        bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
-        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
-        return bool(bitmask.any())
+        matcher = GrammarMatcher(xgrammar.GrammarMatcher(self.compile(output)))
+        first = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
+        matcher.fill_bitmask(first)  # filling does not advance the matcher
+        if not bool(first.any()):
+            raise GrammarError(output.field, f"{output.field}: the grammar admits no string")
+        return matcher
 
 
 def check_schema(source: str, field: str) -> None:

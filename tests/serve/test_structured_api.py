@@ -120,10 +120,13 @@ def chat(client, **fields) -> dict:
 def test_a_constrained_answer_fits_its_grammar(client, fields, fits):
     """A random model writes random bytes unless constrained: every answer that ends
     with the grammar's stop token fits it."""
+    finished = 0
     for seed in range(3):
         choice = chat(client, **fields, seed=seed)
         if choice["finish_reason"] == "stop":
             assert fits(choice["message"]["content"]), choice
+            finished += 1
+    assert finished, "no answer reached the grammar's end: the test shows nothing"
     assert chat(client, seed=0)["finish_reason"] == "length"  # unconstrained: noise
 
 
