@@ -46,6 +46,12 @@ attention), then `o W_oᵀ`.
 final norm is applied and the output projection gives the logits
 (LOGITS-PROJ-1); with `tie_word_embeddings` the output projection is `E`.
 
+[FWD-QUANT-1] A projection (Q, K, V, O, gate, up, down, or the output
+projection) may be stored quantized (`decodespec.spec.quant.QuantizedWeight`,
+QUANT-GROUP-1): `x Wᵀ` is then the weight-only quantized linear of
+QUANT-LINEAR-1, in the activation dtype, and the logits are its result cast
+to float32. The activation dtype is the embedding's. Nothing else changes.
+
 [FWD-CACHE-1] Cached and naive mode compute the same function: for every
 sequence and position, the logits of `forward_cached` (whatever the split into
 prefill chunks and decode steps, the block size, the block table and the other
@@ -65,6 +71,11 @@ from torch import Tensor
 from .append import append_kv
 from .attention import paged_attention
 from .logits import compute_logits
+from .quant import QuantizedWeight
+
+# A projection: dense `[out_features, in_features]`, or quantized (FWD-QUANT-1). Engines
+# may pass any object with QuantizedWeight's `shape`, `linear`, `dequantize` and `to`.
+Weight = Tensor | QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -113,14 +124,14 @@ class LayerWeights:
     """One decoder layer; projections are `[out_features, in_features]`."""
 
     attn_norm: Tensor  # [hidden]
-    q_proj: Tensor  # [num_heads * head_dim, hidden]
-    k_proj: Tensor  # [num_kv_heads * head_dim, hidden]
-    v_proj: Tensor  # [num_kv_heads * head_dim, hidden]
-    o_proj: Tensor  # [hidden, num_heads * head_dim]
+    q_proj: Weight  # [num_heads * head_dim, hidden]
+    k_proj: Weight  # [num_kv_heads * head_dim, hidden]
+    v_proj: Weight  # [num_kv_heads * head_dim, hidden]
+    o_proj: Weight  # [hidden, num_heads * head_dim]
     mlp_norm: Tensor  # [hidden]
-    gate_proj: Tensor  # [intermediate, hidden]
-    up_proj: Tensor  # [intermediate, hidden]
-    down_proj: Tensor  # [hidden, intermediate]
+    gate_proj: Weight  # [intermediate, hidden]
+    up_proj: Weight  # [intermediate, hidden]
+    down_proj: Weight  # [hidden, intermediate]
     q_bias: Tensor | None = None  # [num_heads * head_dim], configs with attention_bias
     k_bias: Tensor | None = None
     v_bias: Tensor | None = None
@@ -134,7 +145,7 @@ class ModelWeights:
     embedding: Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: Tensor  # [hidden]
-    output: Tensor  # [vocab, hidden]; the embedding itself when tied
+    output: Weight  # [vocab, hidden]; the embedding itself when tied
 
     @property
     def dtype(self) -> torch.dtype:
@@ -147,7 +158,7 @@ class ModelWeights:
     def to(self, device: torch.device | str) -> ModelWeights:
         """The same weights on `device` (a tied output stays tied: one tensor)."""
 
-        def move(t: Tensor | None) -> Tensor | None:
+        def move(t: Weight | None) -> Weight | None:
             return None if t is None else t.to(device)
 
         layers = [
@@ -207,9 +218,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    out = x @ weight.T
+def _linear(x: Tensor, weight: Weight, bias: Tensor | None = None) -> Tensor:
+    """`x Wᵀ (+ b)`; a quantized `W` computes its own product (FWD-QUANT-1)."""
+    out = x @ weight.T if isinstance(weight, Tensor) else weight.linear(x)
     return out if bias is None else out + bias
+
+
+def project_logits(hidden_states: Tensor, output: Weight) -> Tensor:
+    """Float32 logits of final hidden states (LOGITS-PROJ-1; FWD-QUANT-1 when quantized)."""
+    if isinstance(output, Tensor):
+        return compute_logits(hidden_states, output)
+    return output.linear(hidden_states).to(torch.promote_types(hidden_states.dtype, torch.float32))
 
 
 # attend(layer_index, q, k, v) -> attention output, all [tokens, heads, head_dim]
@@ -300,7 +319,7 @@ def forward_naive(weights: ModelWeights, token_ids: Tensor, *, last_only: bool =
     hidden = forward_hidden(
         weights, token_ids, positions, lambda _, q, k, v: causal_attention(q, k, v)
     )
-    return compute_logits(hidden[-1:] if last_only else hidden, weights.output)
+    return project_logits(hidden[-1:] if last_only else hidden, weights.output)
 
 
 @dataclass
@@ -370,4 +389,4 @@ def forward_cached(
         )
 
     hidden = forward_hidden(weights, token_ids, batch.positions, attend)
-    return compute_logits(hidden[batch.logits_indices], weights.output)
+    return project_logits(hidden[batch.logits_indices], weights.output)

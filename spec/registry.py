@@ -38,6 +38,7 @@ SPEC_MODULES = tuple(
         "stop",
         "attention",
         "append",
+        "quant",
         "forward",
         "speculative",
         "generate",
