@@ -6,7 +6,8 @@ one for all; a backend is the table of functions it calls:
 
 - `spec`: the spec's functions, the definition itself;
 - `torch`: the spec's functions, but attention batched across sequences
-  (`batched_attention`): the fast choice on a CPU, and `serve`'s default;
+  (`batched_attention`) and quantized projections on PyTorch's CPU kernels
+  (`cpu_linear`): the fast choice on a CPU, and `serve`'s default;
 - `triton`: the kernels (the Triton interpreter without a GPU).
 """
 
@@ -23,7 +24,9 @@ from torch import Tensor
 from decodespec.spec import append, attention, sampling, speculative
 from decodespec.spec.sampling import InvalidLogitsError
 
-from . import batched_attention
+from decodespec.spec.forward import ModelWeights
+
+from . import batched_attention, cpu_linear
 
 BACKENDS = ("spec", "torch", "triton")
 SERVE_BACKEND = "torch"  # `decodespec serve`'s default: throughput matters most there
@@ -56,6 +59,13 @@ class Backend:
     verify_drafts: Callable[..., speculative.Verification]
     invalid_logits_error: type[ValueError] = InvalidLogitsError
     kernel_ops: tuple[str, ...] = ()
+    prepare_weights: Callable[[ModelWeights], ModelWeights] = lambda weights: weights
+
+
+def prepare_for_torch(weights: ModelWeights) -> ModelWeights:
+    """The torch backend's weights: quantized projections on PyTorch's CPU kernels
+    (`cpu_linear`) when the model is on the CPU; elsewhere the definition."""
+    return cpu_linear.pack_for_cpu(weights) if weights.device.type == "cpu" else weights
 
 
 SPEC_BACKEND = Backend(
@@ -70,7 +80,10 @@ SPEC_BACKEND = Backend(
 
 
 TORCH_BACKEND = replace(
-    SPEC_BACKEND, name="torch", paged_attention=batched_attention.paged_attention
+    SPEC_BACKEND,
+    name="torch",
+    paged_attention=batched_attention.paged_attention,
+    prepare_weights=prepare_for_torch,
 )
 
 

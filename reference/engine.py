@@ -124,6 +124,11 @@ class Engine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.backend = get_backend(backend)
         check_backend_device(self.backend, weights.device)
+        # The backend's kernels for quantized projections (weight_formats).
+        weights = self.backend.prepare_weights(weights)
+        if draft_model is not None:
+            draft_model = self.backend.prepare_weights(draft_model)
+        self.weights = weights
         self.sampler = Sampler(self.backend, self.config.vocab_size, self.eos_token_ids)
         self.grammars = Grammars(tokenizer, self.config.vocab_size)
         self.cache: PagedKVCache | None = None

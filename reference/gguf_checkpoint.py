@@ -10,14 +10,18 @@ to Hugging Face's through `gguf.TensorNameMap`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from decodespec.spec.forward import ModelConfig
 
 from .gguf_file import GGUFFile, dequantize_tensors, gguf_tensor_names
 from .hf_checkpoint import EMBEDDING, OUTPUT, layer_tensor_name, tensor_names
+from .weight_formats import GGUFBlocks
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -28,14 +32,20 @@ class GGUFCheckpoint(NamedTuple):
     config: ModelConfig
     tensors: dict[str, Tensor]  # float32, by Hugging Face name
     spelling: dict[str, str]  # Hugging Face name -> the file's own name, for messages
+    blocks: dict[str, GGUFBlocks]  # raw blocks of the tensors of `keep_types`, by HF name
 
 
-def read_gguf_checkpoint(file: GGUFFile, *, progress: Callable[[str], None]) -> GGUFCheckpoint:
+def read_gguf_checkpoint(
+    file: GGUFFile, *, progress: Callable[[str], None], keep_types: tuple[str, ...] = ()
+) -> GGUFCheckpoint:
     """The config and the tensors of a GGUF file with `general.architecture` llama or qwen2.
 
     Args:
         file: the open file.
         progress: called with a message every few tensors.
+        keep_types: GGUF tensor types (`"Q4_1"`, ...) whose raw blocks are
+            returned too (copied out of the memory map, rows un-permuted
+            like the dequantized tensors), for formats that keep them.
 
     Raises:
         ValueError: another architecture, llama.cpp's `rope_freqs` tensor, a
@@ -61,9 +71,19 @@ def read_gguf_checkpoint(file: GGUFFile, *, progress: Callable[[str], None]) -> 
         hf_name.get(name, name): tensor
         for name, tensor in dequantize_tensors(file, progress=progress).items()
     }
+    blocks = {
+        hf_name.get(tensor.name, tensor.name): GGUFBlocks(
+            torch.from_numpy(np.array(tensor.data)), tensor.tensor_type.name, int(tensor.shape[0])
+        )
+        for tensor in file.reader.tensors
+        if tensor.tensor_type.name in keep_types and len(tensor.data.shape) == 2
+    }
     if architecture == "llama":
         unpermute_llama_qk(tensors, config)
-    return GGUFCheckpoint(config, tensors, spelling)
+        unpermuted = {name: block.data for name, block in blocks.items()}
+        unpermute_llama_qk(unpermuted, config)
+        blocks = {name: replace(block, data=unpermuted[name]) for name, block in blocks.items()}
+    return GGUFCheckpoint(config, tensors, spelling, blocks)
 
 
 def config_from_gguf(file: GGUFFile, architecture: str) -> ModelConfig:

@@ -71,6 +71,7 @@ from .hf_checkpoint import (
     safetensors_files,
 )
 from .tokenizer import Tokenizer
+from .weight_formats import FOUR_BIT_GGUF_TYPES, check_format, convert_weights
 
 Progress = Callable[[str], None]
 
@@ -79,6 +80,7 @@ def load_weights(
     path: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
+    weights: str | None = None,
     progress: Progress | None = None,
 ) -> ModelWeights:
     """Load a Llama-family checkpoint as the decoder's weights.
@@ -87,6 +89,9 @@ def load_weights(
         path: a Hugging Face style directory (config.json + safetensors), a
             `.safetensors` file or `config.json` inside one, or a GGUF file.
         dtype: floating-point dtype of the returned tensors (on the CPU).
+        weights: a weight format of `weight_formats.WEIGHT_FORMATS`
+            (`float32`, `bfloat16`, `int8`, `int4`) instead of `dtype`; int4
+            keeps a GGUF file's own 4-bit blocks. Its summary goes to `progress`.
         progress: called with a short message every few tensors (reading
             and dequantizing a GGUF file takes seconds); `None` for silence.
 
@@ -106,13 +111,19 @@ def load_weights(
         raise FileNotFoundError(f"model path {path} does not exist")
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    if weights is not None:
+        check_format(weights)
+        if dtype != torch.float32:
+            raise ValueError(f"give dtype or weights, not both (dtype={dtype}, weights={weights})")
     report = progress or (lambda _message: None)
-    if path.is_dir():
-        return load_hf_directory(path, dtype=dtype, progress=report)
-    if path.suffix == ".safetensors" or path.name == "config.json":
-        return load_hf_directory(path.parent, dtype=dtype, progress=report)
+    if path.is_dir() or path.suffix == ".safetensors" or path.name == "config.json":
+        directory = path if path.is_dir() else path.parent
+        model = load_hf_directory(directory, dtype=dtype, progress=report)
+        if weights is None:
+            return model
+        return convert_weights(model, weights, source=directory, report=report)
     if looks_like_gguf(path):
-        return load_gguf(path, dtype=dtype, progress=report)
+        return load_gguf(path, dtype=dtype, weights=weights, progress=report)
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise ValueError(pickle_refusal(path))
     raise ValueError(
@@ -122,7 +133,11 @@ def load_weights(
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, progress: Progress | None = None
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    weights: str | None = None,
+    progress: Progress | None = None,
 ) -> tuple[ModelWeights, Tokenizer]:
     """Weights and tokenizer of a GGUF file or a Hugging Face directory.
 
@@ -135,11 +150,11 @@ def load_model(
     if path.is_file() and looks_like_gguf(path):
         (progress or (lambda _message: None))(f"reading GGUF metadata of {path.name}")
         file = open_gguf(path)
-        weights = load_gguf(path, dtype=dtype, progress=progress, file=file)
-        return weights, Tokenizer.from_gguf(file)
-    weights = load_weights(path, dtype=dtype, progress=progress)
+        model = load_gguf(path, dtype=dtype, weights=weights, progress=progress, file=file)
+        return model, Tokenizer.from_gguf(file)
+    model = load_weights(path, dtype=dtype, weights=weights, progress=progress)
     directory = path if path.is_dir() else path.parent
-    return weights, Tokenizer.from_file(directory)
+    return model, Tokenizer.from_file(directory)
 
 
 # ---------------------------------------------------------------------------
@@ -325,6 +340,7 @@ def load_gguf(
     path: Path,
     *,
     dtype: torch.dtype = torch.float32,
+    weights: str | None = None,
     progress: Progress | None = None,
     file: GGUFFile | None = None,
 ) -> ModelWeights:
@@ -337,6 +353,7 @@ def load_gguf(
     Args:
         path: the .gguf file.
         dtype: dtype of the returned tensors (dequantized through float32).
+        weights: a weight format instead of `dtype` (see `load_weights`).
         progress: called with a message every few tensors.
         file: the file already opened with `open_gguf` (opening takes seconds).
 
@@ -350,6 +367,12 @@ def load_gguf(
     if file is None:
         report(f"reading GGUF metadata of {path.name}")
         file = open_gguf(path)
-    config, tensors, spelling = read_gguf_checkpoint(file, progress=report)
+    keep = FOUR_BIT_GGUF_TYPES if weights == "int4" else ()
+    config, tensors, spelling, blocks = read_gguf_checkpoint(file, progress=report, keep_types=keep)
     tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
-    return _assemble(config, tensors, path, spelling)
+    model = _assemble(config, tensors, path, spelling)
+    if weights is None:
+        return model
+    return convert_weights(
+        model, weights, gguf_blocks=blocks, spelling=spelling, source=path, report=report
+    )

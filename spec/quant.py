@@ -180,8 +180,9 @@ def quantize_weight(weight: Tensor, *, bits: int, group_size: int) -> QuantizedW
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if not weight.dtype.is_floating_point or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D floating tensor, got {weight.dtype} "
-                         f"{list(weight.shape)}")
+        raise ValueError(
+            f"weight must be a 2-D floating tensor, got {weight.dtype} {list(weight.shape)}"
+        )
     rows, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
@@ -193,7 +194,11 @@ def quantize_weight(weight: Tensor, *, bits: int, group_size: int) -> QuantizedW
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         scales, offsets, top = (high - low) / 15, low, 15
     else:
-        scales, offsets, top = groups.abs().amax(dim=-1) / 127, torch.zeros_like(groups[..., 0]), 127
+        scales, offsets, top = (
+            groups.abs().amax(dim=-1) / 127,
+            torch.zeros_like(groups[..., 0]),
+            127,
+        )
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)
     codes = ((groups - offsets[..., None]) / safe[..., None]).round()
     codes = torch.where(scales[..., None] == 0, torch.zeros_like(codes), codes)

@@ -1,0 +1,161 @@
+"""Quantized projections on PyTorch's CPU weight-only kernels (the torch backend's).
+
+`pack_for_cpu` replaces every `QuantizedWeight` of a model on the CPU with an
+object that has the same `shape`, `bits`, `group_size`, `linear`,
+`dequantize` and `to`, and multiplies with one of PyTorch's CPU kernels:
+
+- int4 in groups of 32, 64, 128 or 256: `aten._weight_int4pack_mm_for_cpu`,
+  which computes `(q − 8) · s + z` per group; the spec's offset `o` maps to
+  `z = o + 8s` (QUANT-GROUP-1), scales and zeros held in bfloat16. The kernel
+  packs rows sixteen at a time: rows are padded to a multiple of 16 with
+  zero codes and the padding's outputs dropped.
+- int8 with one scale per row and zero offsets (per-channel symmetric):
+  `aten._weight_int8pack_mm`, scales in bfloat16. It reads 16 columns at a
+  time and returns garbage (or crashes) otherwise, so `in_features` must be
+  a multiple of 16 (checked here, and at load by `weight_formats`).
+
+Both kernels are fast only for bfloat16 activations (float32 inputs take a
+slow path, 25× slower at batch 1): `linear` casts other dtypes to bfloat16
+and back. Their results differ from the definition by bfloat16 rounding of
+scales, zeros and inputs, within QUANT-TOL-1's bfloat16 tolerance
+(tests/engine/test_weight_formats.py checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import torch
+from torch import Tensor
+
+from decodespec.spec.forward import LayerWeights, ModelWeights, Weight
+from decodespec.spec.quant import QuantizedWeight, unpack_codes
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+KERNEL_DTYPE = torch.bfloat16
+ROW_PACK = 16  # the int4 kernel's rows per packed tile
+INT8_COLUMNS = 16  # the int8 kernel's columns per step
+
+
+class CpuInt4Linear:
+    """An int4 group-quantized projection packed for `_weight_int4pack_mm_for_cpu`."""
+
+    bits = 4
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        if weight.bits != 4 or weight.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"the CPU int4 kernel takes 4-bit groups of {INT4_GROUP_SIZES}, got "
+                f"bits={weight.bits} group_size={weight.group_size}"
+            )
+        rows, columns = weight.shape
+        padded = -(-rows // ROW_PACK) * ROW_PACK
+        codes = unpack_codes(weight.qweight, 4)
+        scales = weight.scales.float()
+        zeros = weight.offsets.float() + 8 * scales
+        if padded != rows:
+            codes = torch.cat([codes, codes.new_zeros(padded - rows, columns)])
+            scales = torch.cat([scales, scales.new_zeros(padded - rows, scales.shape[1])])
+            zeros = torch.cat([zeros, zeros.new_zeros(padded - rows, zeros.shape[1])])
+        self.shape = (rows, columns)
+        self.group_size = weight.group_size
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        # [K / G, N, 2]: the kernel's layout of (scale, zero) per group and row
+        self.scale_and_zero = torch.stack([scales.T, zeros.T], dim=-1).to(KERNEL_DTYPE).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_and_zero.nbytes
+
+    def linear(self, x: Tensor) -> Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(KERNEL_DTYPE).contiguous(), self.packed, self.group_size, self.scale_and_zero
+        )
+        return out[:, : self.shape[0]].to(x.dtype)
+
+    def dequantize(self) -> Tensor:
+        """The weights the kernel multiplies by, float32 (its product with the identity)."""
+        return self.linear(torch.eye(self.shape[1], dtype=KERNEL_DTYPE)).float().T
+
+    def to(self, device: torch.device | str) -> CpuInt4Linear:
+        if torch.device(device).type != "cpu":
+            raise ValueError("weights packed for the CPU kernels stay on the CPU")
+        return self
+
+
+class CpuInt8Linear:
+    """An int8 per-channel projection for `_weight_int8pack_mm`."""
+
+    bits = 8
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        rows, columns = weight.shape
+        if weight.bits != 8 or weight.group_size != columns or bool(weight.offsets.any()):
+            raise ValueError(
+                "the CPU int8 kernel takes 8-bit weights with one scale per row and zero offsets"
+            )
+        if columns % INT8_COLUMNS:
+            raise ValueError(
+                f"the CPU int8 kernel needs in_features a multiple of {INT8_COLUMNS}, got {columns}"
+            )
+        self.shape = (rows, columns)
+        self.group_size = columns
+        self.qweight = weight.qweight.contiguous()
+        self.scales = weight.scales[:, 0].to(KERNEL_DTYPE).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+    def linear(self, x: Tensor) -> Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(
+            x.to(KERNEL_DTYPE).contiguous(), self.qweight, self.scales
+        )
+        return out.to(x.dtype)
+
+    def dequantize(self) -> Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def to(self, device: torch.device | str) -> CpuInt8Linear:
+        if torch.device(device).type != "cpu":
+            raise ValueError("weights packed for the CPU kernels stay on the CPU")
+        return self
+
+
+def pack(weight: Weight) -> Weight:
+    """`weight` on a CPU kernel if it is a `QuantizedWeight` on the CPU, else itself."""
+    if not isinstance(weight, QuantizedWeight) or weight.qweight.device.type != "cpu":
+        return weight
+    return CpuInt4Linear(weight) if weight.bits == 4 else CpuInt8Linear(weight)
+
+
+def pack_for_cpu(model: ModelWeights) -> ModelWeights:
+    """`model` with every quantized projection on a CPU kernel (a new object; dense
+    tensors are shared, not copied).
+
+    Raises:
+        ValueError: a quantized projection no CPU kernel takes (int4 groups
+            other than 32/64/128/256, int8 with groups or offsets, int8 with
+            `in_features` not a multiple of 16), naming the projection.
+    """
+    if not any(
+        isinstance(getattr(layer, f.name), QuantizedWeight)
+        for layer in model.layers
+        for f in fields(layer)
+    ) and not isinstance(model.output, QuantizedWeight):
+        return model
+
+    def packed(where: str, weight: Weight) -> Weight:
+        try:
+            return pack(weight)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+
+    layers = [
+        LayerWeights(
+            **{f.name: packed(f"layer {i} {f.name}", getattr(layer, f.name)) for f in fields(layer)}
+        )
+        for i, layer in enumerate(model.layers)
+    ]
+    output = packed("the output projection", model.output)
+    return ModelWeights(model.config, model.embedding, layers, model.final_norm, output)

@@ -1,0 +1,281 @@
+"""Weight formats (`--weights`): the CPU kernels compute the spec's quantized linear,
+and every engine configuration runs every format as the spec loop does.
+
+The spec loop runs on the engine's own weights (`engine.weights`, after the
+backend prepared them): what batching, caching, preemption and speculation
+may not change is the same for every format (SEMANTICS.md). Whether a format's
+kernel computes QUANT-LINEAR-1 is checked on its own, against the definition
+in float64; how far each format's outputs move from float32 is a measurement
+(`decodespec perplexity`, `make bench-quant`), not a test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodespec.reference import cpu_linear
+from decodespec.reference.engine import Engine
+from decodespec.reference.weight_formats import (
+    WEIGHT_FORMATS,
+    convert_weights,
+    describe,
+    weight_bytes,
+)
+from decodespec.spec.forward import forward_naive
+from decodespec.spec.quant import QuantizedWeight, quantize_weight, quantized_linear
+from decodespec.spec.registry import RELATIVE
+from tests.engine import test_engine_vs_spec
+from tests.engine.test_engine_vs_spec import run_workload, workloads
+from tests.engine.toy import ByteTokenizer, random_weights, small_config
+
+BF16_RTOL = RELATIVE.rtol[torch.bfloat16]  # QUANT-TOL-1
+# The formats run bfloat16 activations, whose batch variance (a row computed in a
+# batch of 1 or of 4 takes another kernel path) is of order 2^-8 of a logit:
+# near ties are decided as in test_engine_vs_spec, at this scale.
+BF16_NEAR_TIE = 0.1
+
+
+def check_all(engine, ids, events, skip=()):
+    """test_engine_vs_spec.check_all on the engine's own weights, at bfloat16's scale."""
+    with mock.patch.object(test_engine_vs_spec, "NEAR_TIE", BF16_NEAR_TIE):
+        test_engine_vs_spec.check_all(engine, engine.weights, ids, events, skip)
+
+
+def formats_config(**overrides):
+    """A small model whose every in_features is a multiple of 32 (int4's group)."""
+    base = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+    return small_config(**{**base, "max_context": 64, **overrides})
+
+
+def model(seed: int, fmt: str, **overrides):
+    return convert_weights(random_weights(formats_config(**overrides), seed=seed), fmt)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def kernel_error(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> float:
+    """QUANT-TOL-1's error: against the definition in float64, relative to the size
+    of the terms summed (`|x| · |W|ᵀ`), so cancellation in one output is not error."""
+    magnitude = x.double().abs() @ weight.dequantize().double().abs().T
+    return float((out.double() - definition(x, weight)).norm() / magnitude.norm())
+
+
+def definition(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    return quantized_linear(
+        x.double(),
+        weight.qweight,
+        weight.scales.double(),
+        weight.offsets.double(),
+        group_size=weight.group_size,
+        bits=weight.bits,
+    )
+
+
+# ---------------------------------------------------------------- the CPU kernels
+
+
+@pytest.mark.clause("QUANT-LINEAR-1", "QUANT-TOL-1")
+@settings(max_examples=25)
+@given(
+    rows=st.integers(1, 70),
+    groups=st.integers(1, 4),
+    group_size=st.sampled_from((32, 64, 128)),
+    batch=st.integers(1, 9),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_cpu_int4_kernel_computes_the_quantized_linear(rows, groups, group_size, batch, seed):
+    """Any row count (the kernel packs 16 rows: padding must not leak), any group
+    size it takes; bfloat16 activations, the formats' (float32 ones are rounded to
+    bfloat16 inside, which only the bfloat16 tolerance admits)."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    columns = groups * group_size
+    weight = quantize_weight(torch.randn(rows, columns, generator=g), bits=4, group_size=group_size)
+    x = torch.randn(batch, columns, generator=g).to(dtype)
+    out = cpu_linear.CpuInt4Linear(weight).linear(x)
+    assert out.shape == (batch, rows) and out.dtype == dtype
+    assert kernel_error(out, x, weight) < BF16_RTOL
+
+
+@pytest.mark.clause("QUANT-LINEAR-1", "QUANT-TOL-1")
+@settings(max_examples=25)
+@given(
+    rows=st.integers(1, 70),
+    columns=st.sampled_from((16, 32, 48, 96, 160)),
+    batch=st.integers(1, 9),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_cpu_int8_kernel_computes_the_quantized_linear(rows, columns, batch, seed):
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    weight = quantize_weight(torch.randn(rows, columns, generator=g), bits=8, group_size=columns)
+    x = torch.randn(batch, columns, generator=g).to(dtype)
+    out = cpu_linear.CpuInt8Linear(weight).linear(x)
+    assert out.shape == (batch, rows) and out.dtype == dtype
+    assert kernel_error(out, x, weight) < BF16_RTOL
+
+
+def test_the_cpu_kernels_restore_the_weights_they_multiply():
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(24, 64, generator=g)
+    for weight in (
+        quantize_weight(dense, bits=4, group_size=32),
+        quantize_weight(dense, bits=8, group_size=64),
+    ):
+        packed = cpu_linear.pack(weight)
+        assert packed.shape == weight.shape == (24, 64)
+        assert relative_error(packed.dequantize(), weight.dequantize().double()) < BF16_RTOL
+
+
+@pytest.mark.parametrize(
+    "weight, message",
+    [
+        (quantize_weight(torch.randn(16, 32), bits=4, group_size=16), "groups of"),
+        (quantize_weight(torch.randn(16, 40), bits=8, group_size=40), "multiple of 16"),
+        (quantize_weight(torch.randn(16, 64), bits=8, group_size=32), "one scale per row"),
+    ],
+)
+def test_a_layout_no_cpu_kernel_takes_is_refused_naming_the_projection(weight, message):
+    """Never a crash or garbage inside the kernel (PyTorch's int8 kernel returns
+    garbage for in_features 8 and crashes for 33): refused before it runs."""
+    weights = random_weights(small_config(hidden_size=32, intermediate_size=64), seed=0)
+    layers = [dataclasses.replace(weights.layers[0], up_proj=weight), *weights.layers[1:]]
+    broken = dataclasses.replace(weights, layers=layers)
+    with pytest.raises(ValueError, match=message) as error:
+        cpu_linear.pack_for_cpu(broken)
+    assert "layer 0 up_proj" in str(error.value)
+
+
+# ---------------------------------------------------------------- converting at load
+
+
+def test_each_format_holds_what_it_says():
+    weights = random_weights(formats_config(tie_word_embeddings=True), seed=1)
+    sizes = {}
+    for fmt in WEIGHT_FORMATS:
+        converted = convert_weights(weights, fmt)
+        sizes[fmt] = weight_bytes(converted)
+        projections = [converted.layers[0].q_proj, converted.output]
+        if fmt in ("float32", "bfloat16"):
+            assert all(p.dtype == getattr(torch, fmt) for p in projections)
+            assert converted.output is converted.embedding  # still tied, one tensor
+        else:
+            bits = int(fmt[3:])
+            assert all(isinstance(p, QuantizedWeight) and p.bits == bits for p in projections)
+            assert converted.dtype == torch.bfloat16
+        assert fmt.split("int")[-1] in describe(converted)
+    assert sizes["float32"] > sizes["bfloat16"] > sizes["int8"] > sizes["int4"]
+
+
+@pytest.mark.clause("FWD-QUANT-1")
+def test_a_quantized_model_computes_the_decoder_with_dequantized_projections():
+    """FWD-QUANT-1: the quantized model's logits are the dense decoder's on the
+    dequantized projections (same activations), to float rounding."""
+    quantized = model(2, "int4")
+    dense_layers = [
+        dataclasses.replace(
+            layer,
+            **{
+                name: getattr(layer, name).dequantize().to(torch.bfloat16)
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+            },
+            down_proj=layer.down_proj.dequantize().to(torch.bfloat16),
+        )
+        for layer in quantized.layers
+    ]
+    dense = dataclasses.replace(
+        quantized, layers=dense_layers, output=quantized.output.dequantize().to(torch.bfloat16)
+    )
+    ids = torch.tensor([3, 100, 7, 42, 255, 9])
+    assert relative_error(forward_naive(quantized, ids), forward_naive(dense, ids).double()) < 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_projection_the_format_cannot_hold_is_refused_naming_the_tensor(fmt):
+    weights = random_weights(small_config(hidden_size=40, intermediate_size=64), seed=0)
+    with pytest.raises(ValueError, match=rf"tensor model\.layers\.0\..* cannot be {fmt}"):
+        convert_weights(weights, fmt)
+
+
+def test_an_unknown_format_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="float32, bfloat16, int8, int4"):
+        convert_weights(random_weights(formats_config(), seed=0), "int3")
+
+
+# ---------------------------------------------------------------- every configuration
+
+
+FORMATS = ("bfloat16", "int8", "int4")
+
+
+@pytest.mark.clause("LOOP-SAMPLE-1", "FWD-QUANT-1")
+@settings(max_examples=12)
+@given(
+    workload=workloads(),
+    fmt=st.sampled_from(FORMATS),
+    backend=st.sampled_from(("spec", "torch")),
+    seed=st.integers(0, 50),
+    block_size=st.sampled_from((1, 4, 16)),
+    naive=st.booleans(),
+)
+def test_batched_requests_in_each_format_are_each_the_spec_loop(
+    workload, fmt, backend, seed, block_size, naive
+):
+    engine = Engine(
+        model(seed, fmt), ByteTokenizer(), backend=backend, block_size=block_size, naive=naive
+    )
+    check_all(engine, *run_workload(engine, workload))
+
+
+@pytest.mark.clause("LOOP-PREFILL-1")
+@settings(max_examples=8)
+@given(workload=workloads(), fmt=st.sampled_from(FORMATS), seed=st.integers(0, 50), data=st.data())
+def test_preempted_requests_in_each_format_are_each_the_spec_loop(workload, fmt, seed, data):
+    block_size = data.draw(st.sampled_from((1, 2, 4)))
+    largest = max(len(p) + (params.max_tokens or 0) - 1 for p, params, _ in workload)
+    blocks = -(-largest // block_size) + data.draw(st.integers(0, 2))
+    engine = Engine(
+        model(seed, fmt), ByteTokenizer(), block_size=block_size, cache_tokens=blocks * block_size
+    )
+    check_all(engine, *run_workload(engine, workload))
+
+
+@pytest.mark.clause("LOOP-SAMPLE-1")
+@settings(max_examples=8)
+@given(
+    workload=workloads(sampled=False),
+    fmt=st.sampled_from(FORMATS),
+    seed=st.integers(0, 50),
+    speculate=st.sampled_from(("ngram", "layers:1", "model")),
+)
+def test_speculation_in_each_format_is_the_spec_loop(workload, fmt, seed, speculate):
+    weights = model(seed, fmt)
+    draft = model(seed + 1, fmt, num_layers=1) if speculate == "model" else None
+    engine = Engine(
+        weights, ByteTokenizer(), block_size=2, speculate=speculate, num_draft=3, draft_model=draft
+    )
+    check_all(engine, *run_workload(engine, workload))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_shared_prefix_is_served_from_the_cache_in_each_format(fmt):
+    """The second request reuses the first one's blocks, and is its spec loop."""
+    from decodespec.spec.params import SamplingParams
+
+    engine = Engine(model(5, fmt), ByteTokenizer(), block_size=4)
+    prefix = list(b"the same long prefix, ")
+    workload = [
+        (prefix + [97], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 0),
+        (prefix + [98], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 8),
+    ]
+    ids, events = run_workload(engine, workload)
+    assert engine.requests[ids[1]].cached_prompt_tokens >= 20
+    check_all(engine, ids, events)
