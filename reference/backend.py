@@ -22,9 +22,8 @@ import torch
 from torch import Tensor
 
 from decodespec.spec import append, attention, sampling, speculative
-from decodespec.spec.sampling import InvalidLogitsError
-
 from decodespec.spec.forward import ModelWeights
+from decodespec.spec.sampling import InvalidLogitsError
 
 from . import batched_attention, cpu_linear
 

@@ -273,8 +273,8 @@ def test_a_shared_prefix_is_served_from_the_cache_in_each_format(fmt):
     engine = Engine(model(5, fmt), ByteTokenizer(), block_size=4)
     prefix = list(b"the same long prefix, ")
     workload = [
-        (prefix + [97], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 0),
-        (prefix + [98], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 8),
+        ([*prefix, 97], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 0),
+        ([*prefix, 98], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 8),
     ]
     ids, events = run_workload(engine, workload)
     assert engine.requests[ids[1]].cached_prompt_tokens >= 20
