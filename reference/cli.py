@@ -1,8 +1,9 @@
 """decodespec command line.
 
 `decodespec generate PROMPT` streams a completion from the bundled
-SmolLM2-135M-Instruct (or `--model PATH`); `decodespec demo` shows the
-sampling stage on example logits. The console script enters through
+SmolLM2-135M-Instruct (or `--model PATH`); `decodespec serve` answers the
+OpenAI API; `decodespec perplexity` scores a text with each weight format
+(`perplexity.py`); `decodespec demo` shows the sampling stage on example logits. The console script enters through
 `__main__.py`, which takes over Ctrl-C before this module is imported.
 """
 
@@ -26,35 +27,41 @@ from decodespec.spec.params import MAX_TOP_LOGPROBS, PARAMETERS, SamplingParams,
 from decodespec.spec.sampling import process_logits, sample
 from decodespec.spec.softmax import softmax
 
-from . import loader
+from . import loader, perplexity
 from .backend import BACKENDS, SERVE_BACKEND, get_backend
 from .engine import Engine
 from .grammar import StructuredOutput
 from .model_files import bundled_model_path
 from .request import RequestOutput
 from .tokenizer import Tokenizer
+from .weight_formats import WEIGHT_FORMATS, describe
 
 # ---------------------------------------------------------------- loading
 
 
-def load_model_with_progress(path: str | None) -> tuple[ModelWeights, Tokenizer]:
-    """The model at `path` (default: bundled), with progress on stderr."""
+def load_model_with_progress(
+    path: str | None, weights: str | None = None
+) -> tuple[ModelWeights, Tokenizer]:
+    """The model at `path` (default: bundled) in weight format `weights`, with
+    progress on stderr; what the format kept and what it quantized is always said."""
     model = Path(path) if path is not None else bundled_model_path()
     start = time.perf_counter()
     live = sys.stderr.isatty()  # redraw one status line on a terminal, else stay quiet
 
     def report(message: str) -> None:
-        if live:
+        if weights is not None and message.startswith(f"{weights}: "):
+            print(f"\r\033[K{message}" if live else message, file=sys.stderr, flush=True)
+        elif live:
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
 
     if live:
         report(f"loading {model.name} ...")
     else:
         print(f"loading {model.name} ...", file=sys.stderr, flush=True)
-    weights, tokenizer = loader.load_model(model, progress=report)
+    loaded, tokenizer = loader.load_model(model, weights=weights, progress=report)
     end = "\r\033[K" if live else ""
     print(f"{end}loaded {model.name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return weights, tokenizer
+    return loaded, tokenizer
 
 
 def prompt_ids(
@@ -225,9 +232,11 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--show-probs must be in [0, {MAX_TOP_LOGPROBS}], got {args.show_probs}")
     if backend.kernel_ops and device.type == "cpu":
         print("no GPU: the Triton kernels run in the Triton interpreter (slow)", file=sys.stderr)
-    weights, tokenizer = load_model_with_progress(args.model)
+    weights, tokenizer = load_model_with_progress(args.model, args.weights)
     weights = weights.to(device)
-    draft_model = load_model_with_progress(draft_path)[0] if draft_path is not None else None
+    draft_model = (
+        load_model_with_progress(draft_path, args.weights)[0] if draft_path is not None else None
+    )
     engine = Engine(
         weights,
         tokenizer,
@@ -239,6 +248,8 @@ def generate(args: argparse.Namespace) -> int:
         num_draft=args.num_draft,
         draft_model=draft_model,
     )
+    del weights  # the engine holds the backend's copy (weight_formats)
+    print(f"weights: {describe(engine.weights)}", file=sys.stderr)
     failed = False
     for prompt in args.prompt:  # one engine: a later prompt reuses the earlier ones' prefix
         ids = prompt_ids(tokenizer, prompt, args.raw, args.system)
@@ -331,8 +342,10 @@ def serve(args: argparse.Namespace) -> int:
     get_backend(args.backend)
     listening = _listen(args.host, args.port)  # a taken port fails now, not after loading
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    weights, tokenizer = load_model_with_progress(args.model)
-    draft_model = load_model_with_progress(draft_path)[0] if draft_path is not None else None
+    weights, tokenizer = load_model_with_progress(args.model, args.weights)
+    draft_model = (
+        load_model_with_progress(draft_path, args.weights)[0] if draft_path is not None else None
+    )
     engine = Engine(
         weights.to(device),
         tokenizer,
@@ -343,6 +356,8 @@ def serve(args: argparse.Namespace) -> int:
         num_draft=args.num_draft,
         draft_model=draft_model.to(device) if draft_model is not None else None,
     )
+    del weights, draft_model  # the engine holds the backend's copies (weight_formats)
+    print(f"weights: {describe(engine.weights)}", file=sys.stderr)
     name = args.served_model_name or served_model_name(args.model)
     host, port = listening.getsockname()[:2]
     print(f"serving {name} on http://{host}:{port} (viewer at /)", file=sys.stderr)
@@ -417,6 +432,17 @@ def demo(params: SamplingParams, draws: int) -> str:
 # ---------------------------------------------------------------- main
 
 
+def add_weights_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="float32",
+        help="weight format: float32 (default, the reference), bfloat16, int8 (per channel) "
+        "or int4 (groups of 32; a GGUF file's own 4-bit blocks kept): the int formats run on "
+        "PyTorch's CPU kernels with the torch backend",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decodespec", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -444,6 +470,7 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="where the model runs (auto: the GPU if there is one)",
     )
+    add_weights_flag(gen)
     gen.add_argument("--naive", action="store_true", help="no KV cache: recompute every step")
     gen.add_argument(
         "--no-prefix-caching",
@@ -493,6 +520,7 @@ def _parser() -> argparse.ArgumentParser:
         "across the requests of a step",
     )
     srv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add_weights_flag(srv)
     srv.add_argument(
         "--cache-tokens", type=int, default=16_384, help="KV cache capacity in positions"
     )
@@ -505,6 +533,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--speculate", metavar="DRAFTER", help="as for generate")
     srv.add_argument("--num-draft", type=int, default=4, metavar="K")
     srv.set_defaults(run=serve)
+
+    perplexity.add_command(commands)
 
     show = commands.add_parser("demo", help="the sampling stage on example logits")
     add_sampling_flags(show, ["temperature", "top_k", "top_p", "min_p", "seed"], top_p=0.9, seed=0)
