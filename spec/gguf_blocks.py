@@ -7,23 +7,27 @@ engine meets in practice mean, as llama.cpp's `ggml-quants.c` and gguf-py's
 group-quantized format QUANT-GROUP-1 (`quant`), so that one quantized linear
 runs them all.
 
-[GGUF-BLOCK-1] A tensor of type `T` with `rows` rows of `columns` elements is
-a uint8 tensor `data` `[rows, row_bytes]`, its raw bytes as
+[GGUF-BLOCK-1] A tensor of type `T` with `rows` rows of `columns` elements
+is a uint8 tensor `data` `[rows, row_bytes]`, its raw bytes as
 `gguf.GGUFReader` gives them: row `r` of the weight is row `r` of `data`,
 `columns / QK` consecutive blocks of `B` bytes each (`row_bytes = B ·
 columns / QK`), block `b` holding elements `b · QK … b · QK + QK − 1` of the
 row. `(QK, B)` per type: F32 (1, 4), F16 (1, 2), BF16 (1, 2), Q8_0 (32, 34),
 Q4_0 (32, 18), Q4_1 (32, 20), Q4_K (256, 144), Q6_K (256, 210). Multi-byte
-fields are little-endian. Every float16 field (a scale `d`, a minimum `m`,
-`dmin`) is converted exactly to float32, integer fields become float32
-exactly, and the formulas below are evaluated in float32, each product and
-sum rounded once, in the order written: `(a · b) · c` is two roundings.
-`dequantize_gguf` returns float32 `[rows, columns]`.
+fields are little-endian. As in llama.cpp, every float16 field (a scale `d`,
+a minimum `m`, `dmin`) and every integer field is converted exactly to
+float32 and the formulas below are evaluated in float32. Every product in
+them is exact in float32 (at most 11 + 7 + 5 significant bits), so each
+weight is its formula's real value rounded once to float32 (to nearest, ties
+to even): the grouping of the products and a fused multiply-add do not
+change a bit. `dequantize_gguf` returns float32 `[rows, columns]`.
 
 [GGUF-FLOAT-1] F32: each element is 4 bytes, an IEEE float32. F16: 2
 bytes, an IEEE float16 converted exactly to float32. BF16: 2 bytes, the
 upper 16 bits of a float32 whose lower 16 bits are 0. NaN and infinities
-stay what they are; no float type is an instance of QUANT-GROUP-1.
+stay what they are, except that a NaN's payload is not specified (gguf-py
+keeps a signalling NaN signalling, PyTorch's conversion quiets it); no
+float type is an instance of QUANT-GROUP-1.
 
 [GGUF-Q80-1] Q8_0, 32 elements in 34 bytes: bytes 0–1 the float16 scale
 `d`, bytes 2–33 the codes `q_0 … q_31`, each a signed byte (int8, two's
@@ -33,12 +37,12 @@ complement), element `i` in byte `2 + i`. `y_i = q_i · d`.
 `d`, bytes 2–17 sixteen bytes of 4-bit unsigned codes: for `j = 0 … 15`,
 byte `2 + j` holds element `j` in its low nibble (`byte & 0xF`) and element
 `j + 16` in its high nibble (`byte >> 4`). `y_i = d · (q_i − 8)`, the
-integer `q_i − 8` (−8 … 7) converted to float32, one rounding.
+integer `q_i − 8` (−8 … 7) times `d`.
 
 [GGUF-Q41-1] Q4_1, 32 elements in 20 bytes: bytes 0–1 the float16 scale
 `d`, bytes 2–3 the float16 minimum `m`, bytes 4–19 the codes, nibbles
 ordered as in Q4_0 (byte `4 + j`: element `j` low, element `j + 16` high).
-`y_i = d · q_i + m`: the product rounded, then the sum.
+`y_i = d · q_i + m`.
 
 [GGUF-Q4K-1] Q4_K, 256 elements in 144 bytes: bytes 0–1 the float16 `d`,
 bytes 2–3 the float16 `dmin`, bytes 4–15 twelve bytes `s_0 … s_11` of
@@ -49,9 +53,7 @@ packed 6-bit sub-block scales `sc_j` and minimums `m_j`, bytes 16–143 the
 `m_j = (s_{j+4} >> 4) | ((s_j >> 6) << 4)`. Sub-blocks `2c` and `2c + 1`
 (`c = 0 … 3`) share the 32 code bytes `16 + 32c … 16 + 32c + 31`: element
 `l` of sub-block `2c` is the low nibble of byte `16 + 32c + l`, element
-`l` of sub-block `2c + 1` its high nibble. `y = (d · sc_j) · q − (dmin · m_j)`:
-both products rounded to float32 first (they are exact: 11 by 6 bits), then
-`(d · sc_j) · q`, then the difference.
+`l` of sub-block `2c + 1` its high nibble. `y = (d · sc_j) · q − dmin · m_j`.
 
 [GGUF-Q6K-1] Q6_K, 256 elements in 210 bytes: bytes 0–127 `ql` (the low 4
 bits of the codes), bytes 128–191 `qh` (their high 2 bits), bytes 192–207
@@ -60,26 +62,27 @@ The block is two halves `h = 0, 1` of 128 elements; element `e = 0 … 127`
 of half `h` (element `i = 128h + e` of the block) has low bits
 `ql[64h + e % 64]`'s low nibble for `e < 64` and its high nibble for
 `e ≥ 64`, and high bits `(qh[32h + e % 32] >> (2 · (e // 32))) & 3`;
-`q = low | high << 4` (0 … 63). The scale of element `i` is `sc_{i // 16}`
-(16-element sub-blocks). `y_i = (d · sc_{i//16}) · (q − 32)`: the product of
-the scales rounded first. Q6_K is not an instance of QUANT-GROUP-1 (6-bit
-codes, signed 8-bit scales over 16 elements).
+`q = low | high << 4` (0 … 63). The scale of element `i` is
+`sc_{i // 16}` (16-element sub-blocks). `y_i = d · sc_{i//16} · (q − 32)`.
+Q6_K is not an instance of QUANT-GROUP-1 (6-bit codes, signed 8-bit scales
+over 16 elements).
 
 [GGUF-GROUPS-1] Q8_0, Q4_0, Q4_1 and Q4_K are instances of QUANT-GROUP-1
-with `group_size = 32` (a block, or a Q4_K sub-block), `gguf_groups` gives
+with `group_size = 32` (a block, or a Q4_K sub-block); `gguf_groups` gives
 them as a `QuantizedWeight`: Q8_0 → `bits = 8`, codes `q`, scale `d`,
-offset 0; Q4_0 → `bits = 4`, codes `q`, scale `d`, offset `−8 · d`; Q4_1 →
-`bits = 4`, scale `d`, offset `m`; Q4_K → `bits = 4`, sub-block `j`'s scale
-`d · sc_j` and offset `−(dmin · m_j)`, each rounded to float32 as in
-GGUF-Q4K-1. Scales and offsets are float32, codes are packed in
-QUANT-CODES-1's order (consecutive elements, the even one in the low
-nibble), not in the block's. For finite `d`, `m`, `dmin`,
-`dequantize_weight(gguf_groups(…))` equals `dequantize_gguf(…)` bit for bit
-for Q4_1 and Q4_K, and for Q8_0 and Q4_0 bit for bit except the sign of a
-zero: where the block's `q · d` or `d · (q − 8)` is −0 (a negative or −0
-`d` times a zero code), `s · q + o` is +0, an exact cancellation. They are
-equal as numbers (`torch.equal`) in every case. F32, F16, BF16 and Q6_K
-raise `ValueError` naming the type.
+offset 0; Q4_0 → `bits = 4`, codes `q`, scale `d`, offset `−8 · d`;
+Q4_1 → `bits = 4`, scale `d`, offset `m`; Q4_K → `bits = 4`, sub-block
+`j`'s scale `d · sc_j` and offset `−dmin · m_j` (both exact in float32).
+Scales and offsets are float32; codes are packed in QUANT-CODES-1's order
+(consecutive elements, the even one in the low nibble), not in the block's.
+For finite `d`, `m`, `dmin`, `dequantize_weight(gguf_groups(…))` equals
+`dequantize_gguf(…)` bit for bit for Q4_1 and Q4_K (`s · q` is exact, so
+both round the same real sum once), and for Q8_0 and Q4_0 bit for bit
+except the sign of a zero: where the block's `q · d` or `d · (q − 8)` is −0
+(a negative or −0 `d` times a zero), `s · q + o` is +0, the sum of a value
+and its negation (or of −0 and +0). They are equal as numbers
+(`torch.equal`) in every case. F32, F16, BF16 and Q6_K raise `ValueError`
+naming the type.
 
 [GGUF-VALID-1] Arguments are checked before any arithmetic: a `data` that
 is not a tensor raises `TypeError` (ArgumentTypeError) naming it; `data`
