@@ -20,14 +20,6 @@ from decodespec.spec.softmax import ArgumentTypeError
 # Byte offsets of each quantized type's float16 fields (d, m, dmin): the tests set
 # them to finite values, so that no scale is NaN or infinite.
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}
-# Each quantized type with the clause of its layout.
-BLOCK_LAYOUTS = [
-    pytest.param("Q8_0", marks=pytest.mark.clause("GGUF-Q80-1")),
-    pytest.param("Q4_0", marks=pytest.mark.clause("GGUF-Q40-1")),
-    pytest.param("Q4_1", marks=pytest.mark.clause("GGUF-Q41-1")),
-    pytest.param("Q4_K", marks=pytest.mark.clause("GGUF-Q4K-1")),
-    pytest.param("Q6_K", marks=pytest.mark.clause("GGUF-Q6K-1")),
-]
 GROUP_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 NOT_GROUPS = ("F32", "F16", "BF16", "Q6_K")
 
@@ -76,7 +68,16 @@ blocks_of = st.fixed_dictionaries(
 
 
 @pytest.mark.clause("GGUF-BLOCK-1")
-@pytest.mark.parametrize("type_name", BLOCK_LAYOUTS)
+@pytest.mark.parametrize(
+    "type_name",
+    [  # each quantized type with the clause of its layout
+        pytest.param("Q8_0", marks=pytest.mark.clause("GGUF-Q80-1")),
+        pytest.param("Q4_0", marks=pytest.mark.clause("GGUF-Q40-1")),
+        pytest.param("Q4_1", marks=pytest.mark.clause("GGUF-Q41-1")),
+        pytest.param("Q4_K", marks=pytest.mark.clause("GGUF-Q4K-1")),
+        pytest.param("Q6_K", marks=pytest.mark.clause("GGUF-Q6K-1")),
+    ],
+)
 @given(drawn=blocks_of)
 def test_blocks_dequantize_as_gguf_py_does_bit_for_bit(type_name, drawn):
     raw = random_blocks(type_name, **drawn)
