@@ -39,6 +39,7 @@ SPEC_MODULES = tuple(
         "attention",
         "append",
         "quant",
+        "gguf_blocks",
         "forward",
         "speculative",
         "generate",

@@ -73,6 +73,12 @@ class Stage:
 STAGES = (
     Stage("generate", "The loop", "decodespec.spec.generate"),
     Stage("forward", "Forward pass", "decodespec.spec.forward"),
+    Stage(
+        "quant",
+        "Weight formats",
+        "decodespec.spec.quant",
+        parts=(("GGUF blocks", "decodespec.spec.gguf_blocks"),),
+    ),
     Stage("attention", "Attention", "decodespec.spec.attention"),
     Stage("token_mask", "Token mask", "decodespec.spec.token_mask"),
     Stage("logits", "Logits", "decodespec.spec.logits"),

@@ -32,7 +32,12 @@ def load(path: Path = MATRIX) -> dict:
 
 
 # Spec modules shown on another module's stage page (docs/hooks/spec_pages.py, STAGES).
-PAGE_OF_MODULE = {"rng": "sampling", "params": "sampling", "checks": "sampling"}
+PAGE_OF_MODULE = {
+    "rng": "sampling",
+    "params": "sampling",
+    "checks": "sampling",
+    "gguf_blocks": "quant",
+}
 
 
 def clause_link(clause_id: str, module: str) -> str:

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STAGES = [
     ("generate", "decodespec.spec.generate"),
     ("forward", "decodespec.spec.forward"),
+    ("quant", "decodespec.spec.quant"),
+    ("quant", "decodespec.spec.gguf_blocks"),
     ("attention", "decodespec.spec.attention"),
     ("token_mask", "decodespec.spec.token_mask"),
     ("logits", "decodespec.spec.logits"),
