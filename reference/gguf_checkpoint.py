@@ -33,6 +33,7 @@ class GGUFCheckpoint(NamedTuple):
     tensors: dict[str, Tensor]  # float32, by Hugging Face name
     spelling: dict[str, str]  # Hugging Face name -> the file's own name, for messages
     blocks: dict[str, GGUFBlocks]  # raw blocks of the tensors of `keep_types`, by HF name
+    types: dict[str, str]  # each tensor's GGUF type ("Q4_1", "F32", ...), by HF name
 
 
 def read_gguf_checkpoint(
@@ -83,7 +84,11 @@ def read_gguf_checkpoint(
         unpermuted = {name: block.data for name, block in blocks.items()}
         unpermute_llama_qk(unpermuted, config)
         blocks = {name: replace(block, data=unpermuted[name]) for name, block in blocks.items()}
-    return GGUFCheckpoint(config, tensors, spelling, blocks)
+    types = {
+        hf_name.get(tensor.name, tensor.name): tensor.tensor_type.name
+        for tensor in file.reader.tensors
+    }
+    return GGUFCheckpoint(config, tensors, spelling, blocks, types)
 
 
 def config_from_gguf(file: GGUFFile, architecture: str) -> ModelConfig:

@@ -368,11 +368,19 @@ def load_gguf(
         report(f"reading GGUF metadata of {path.name}")
         file = open_gguf(path)
     keep = FOUR_BIT_GGUF_TYPES if weights == "int4" else ()
-    config, tensors, spelling, blocks = read_gguf_checkpoint(file, progress=report, keep_types=keep)
+    config, tensors, spelling, blocks, types = read_gguf_checkpoint(
+        file, progress=report, keep_types=keep
+    )
     tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
     model = _assemble(config, tensors, path, spelling)
     if weights is None:
         return model
     return convert_weights(
-        model, weights, gguf_blocks=blocks, spelling=spelling, source=path, report=report
+        model,
+        weights,
+        gguf_blocks=blocks,
+        gguf_types=types,
+        spelling=spelling,
+        source=path,
+        report=report,
     )

@@ -136,7 +136,9 @@ def score_formats(
     token_ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
     chunks = windows(token_ids, context)
     if not chunks:
-        raise ValueError(f"the text has {len(token_ids)} tokens: fewer than one window of {context}")
+        raise ValueError(
+            f"the text has {len(token_ids)} tokens: fewer than one window of {context}"
+        )
     nll: dict[str, list[Tensor]] = {name: [] for name in order}
     kl: dict[str, list[Tensor]] = {name: [] for name in order}
     same_top: dict[str, list[Tensor]] = {name: [] for name in order}
@@ -205,9 +207,7 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
         "perplexity",
         help="perplexity and KL divergence to float32 of each weight format on a text",
     )
-    parser.add_argument(
-        "file", nargs="?", help=f"a UTF-8 text file (default: {DEFAULT_TEXT})"
-    )
+    parser.add_argument("file", nargs="?", help=f"a UTF-8 text file (default: {DEFAULT_TEXT})")
     parser.add_argument("--model", help="GGUF file or Hugging Face directory (default: bundled)")
     parser.add_argument(
         "--weights",

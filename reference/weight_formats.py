@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from decodespec.spec.forward import LayerWeights, ModelWeights, Weight
+from decodespec.spec.gguf_blocks import gguf_groups
 from decodespec.spec.quant import QuantizedWeight, quantize_weight
 
 from .hf_checkpoint import EMBEDDING, OUTPUT, layer_tensor_name
@@ -76,6 +77,7 @@ def convert_weights(
     weights: str,
     *,
     gguf_blocks: Mapping[str, GGUFBlocks] | None = None,
+    gguf_types: Mapping[str, str] | None = None,
     spelling: Mapping[str, str] | None = None,
     source: object = "the model",
     report: Callable[[str], None] = lambda _message: None,
@@ -87,6 +89,7 @@ def convert_weights(
         weights: one of `WEIGHT_FORMATS`.
         gguf_blocks: raw blocks of GGUF tensors by Hugging Face name; int4
             keeps those in 4-bit blocks exactly.
+        gguf_types: each GGUF tensor's type by Hugging Face name, for the summary.
         spelling: the file's own name of each Hugging Face name, for messages.
         source: the checkpoint, for messages.
         report: called once with a summary of what was kept and what quantized.
@@ -107,31 +110,23 @@ def convert_weights(
     def quantize(name: str, weight: Tensor) -> QuantizedWeight:
         spelled = names.get(name, name)
         rows, columns = weight.shape
-        if weights == "int8":
-            if columns % 16:  # PyTorch's CPU int8 kernel reads 16 columns at a time
-                raise ValueError(
-                    f"{source}: tensor {spelled} [{rows}, {columns}] cannot be int8: "
-                    f"in_features {columns} is not a multiple of 16"
-                )
-            origin["quantized at load to int8 per channel"] = (
-                origin.get("quantized at load to int8 per channel", 0) + 1
-            )
-            return quantize_weight(weight, bits=8, group_size=columns)
-        if columns % GROUP_SIZE:
+        # int8: PyTorch's CPU kernel reads 16 columns at a time; int4: whole groups.
+        multiple = 16 if weights == "int8" else GROUP_SIZE
+        if columns % multiple:
             raise ValueError(
-                f"{source}: tensor {spelled} [{rows}, {columns}] cannot be int4: in_features "
-                f"{columns} is not a multiple of the group size {GROUP_SIZE}"
+                f"{source}: tensor {spelled} [{rows}, {columns}] cannot be {weights}: "
+                f"in_features {columns} is not a multiple of {multiple}"
             )
         raw = blocks.get(name)
-        if raw is not None and raw.type_name in FOUR_BIT_GGUF_TYPES:
-            from decodespec.spec.gguf_blocks import gguf_groups
-
+        if weights == "int4" and raw is not None and raw.type_name in FOUR_BIT_GGUF_TYPES:
             key = f"kept from {raw.type_name} blocks"
             origin[key] = origin.get(key, 0) + 1
             return gguf_groups(raw.data, raw.type_name, raw.columns)
-        kind = raw.type_name if raw is not None else str(weight.dtype).removeprefix("torch.")
+        kind = (gguf_types or {}).get(name) or str(weight.dtype).removeprefix("torch.")
         key = f"quantized at load from {kind}"
         origin[key] = origin.get(key, 0) + 1
+        if weights == "int8":
+            return quantize_weight(weight, bits=8, group_size=columns)  # per channel
         return quantize_weight(weight, bits=4, group_size=GROUP_SIZE)
 
     layers = []

@@ -45,7 +45,8 @@ exactly. Non-finite weights cannot be quantized (`ValueError`).
 
 [QUANT-VALID-1] Every argument is checked before any arithmetic: a
 non-tensor raises `TypeError` (ArgumentTypeError) naming it; a wrong dtype,
-a shape that does not fit (`K` not a multiple of `group_size`, `scales` or
+a shape that does not fit (`K` not a multiple of `group_size`, an odd `K`
+for 4 bits, `scales` or
 `offsets` not `[N, K / G]`, `x`'s last dimension not `K`), `bits` other than
 4 or 8, `group_size` < 1 or tensors on different devices raise `ValueError`
 naming the argument and what it got.
@@ -186,6 +187,8 @@ def quantize_weight(weight: Tensor, *, bits: int, group_size: int) -> QuantizedW
     rows, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+    if bits == 4 and k % 2:
+        raise ValueError(f"4-bit codes pack two per byte: in_features must be even, got {k}")
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("weight has non-finite values: they cannot be quantized")
     compute = torch.promote_types(weight.dtype, torch.float32)

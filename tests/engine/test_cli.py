@@ -31,6 +31,7 @@ from decodespec.reference import runner as runner_module
 from decodespec.reference.engine import Engine
 from decodespec.reference.loader import load_model
 from decodespec.reference.model_files import bundled_model_path
+from decodespec.reference.weight_formats import convert_weights
 from decodespec.spec.params import SamplingParams
 from tests.engine.checkpoints import hf_model_from_gguf
 
@@ -87,9 +88,13 @@ def run_cli(model: tuple | None, *argv: str) -> Run:
     """`decodespec ARGV` in-process, the default model being `model`."""
     loads: list[str | None] = []
 
-    def load(path: str | None) -> tuple:
+    def load(path: str | None, weights: str | None = None) -> tuple:
         loads.append(path)
-        return model if path is None else REAL_LOAD(path)
+        if path is not None:
+            return REAL_LOAD(path, weights)
+        if weights in (None, "float32"):
+            return model
+        return convert_weights(model[0], weights), model[1]
 
     out, err = io.StringIO(), io.StringIO()
     with (

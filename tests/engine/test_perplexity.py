@@ -46,8 +46,9 @@ def test_float32_against_itself_is_perfect_and_its_perplexity_is_the_forward_s(s
     losses = []
     for start in range(0, len(ids) - 31, 32):
         window = ids[start : start + 32]
-        log_probs = torch.log_softmax(forward_naive(random_weights(CONFIG, seed=7),
-                                                    torch.tensor(window)).double(), dim=-1)
+        log_probs = torch.log_softmax(
+            forward_naive(random_weights(CONFIG, seed=7), torch.tensor(window)).double(), dim=-1
+        )
         losses += [-float(log_probs[t, window[t + 1]]) for t in range(15, 31)]
     (score,) = result["formats"]
     assert result["windows"] == 6 and score["scored_tokens"] == 6 * 16 == len(losses)

@@ -201,7 +201,10 @@ def test_a_quantized_model_computes_the_decoder_with_dequantized_projections():
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_a_projection_the_format_cannot_hold_is_refused_naming_the_tensor(fmt):
     weights = random_weights(small_config(hidden_size=40, intermediate_size=64), seed=0)
-    with pytest.raises(ValueError, match=rf"tensor model\.layers\.0\..* cannot be {fmt}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"tensor model\.layers\.0\..* cannot be {fmt}: in_features 40 is not a multiple",
+    ):
         convert_weights(weights, fmt)
 
 
@@ -279,3 +282,33 @@ def test_a_shared_prefix_is_served_from_the_cache_in_each_format(fmt):
     ids, events = run_workload(engine, workload)
     assert engine.requests[ids[1]].cached_prompt_tokens >= 20
     check_all(engine, ids, events)
+
+
+# ---------------------------------------------------------------- the bundled GGUF
+
+
+@pytest.fixture(scope="module")
+def bundled_int4_and_float32():
+    from decodespec.reference.loader import load_model
+    from decodespec.reference.model_files import bundled_model_path
+
+    messages = []
+    int4, _ = load_model(bundled_model_path(), weights="int4", progress=messages.append)
+    float32, _ = load_model(bundled_model_path())
+    return int4, float32, messages
+
+
+@pytest.mark.clause("GGUF-GROUPS-1", "FWD-QUANT-1")
+def test_int4_keeps_the_gguf_files_own_4_bit_blocks(bundled_int4_and_float32):
+    """Every Q4_1 projection of the bundled file is kept: its int4 weights are the
+    float32 loader's (dequantized by gguf-py, Q and K rows un-permuted) exactly;
+    the Q8_0 output projection is quantized at load, and the summary says so."""
+    int4, float32, messages = bundled_int4_and_float32
+    for ours, theirs in zip(int4.layers, float32.layers, strict=True):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            weight = getattr(ours, name)
+            assert isinstance(weight, QuantizedWeight) and weight.group_size == 32
+            assert torch.equal(weight.dequantize(), getattr(theirs, name)), name
+    assert "int4: 210 kept from Q4_1 blocks, 1 quantized at load from Q8_0" in messages[-1]
+    output_error = relative_error(int4.output.dequantize(), float32.output.double())
+    assert 0 < output_error < 0.15  # requantized from Q8_0 to 4 bits: close, not equal
