@@ -3,8 +3,8 @@
 `decodespec generate PROMPT` streams a completion from the bundled
 SmolLM2-135M-Instruct (or `--model PATH`); `decodespec serve` answers the
 OpenAI API; `decodespec perplexity` scores a text with each weight format
-(`perplexity.py`); `decodespec demo` shows the sampling stage on example logits. The console script enters through
-`__main__.py`, which takes over Ctrl-C before this module is imported.
+(`perplexity.py`); `decodespec demo` shows the sampling stage on example
+logits. The console script enters through `__main__.py`, which takes over Ctrl-C before this module is imported.
 """
 
 from __future__ import annotations

@@ -119,5 +119,5 @@ def test_a_quantized_weight_checks_itself_on_construction():
         QuantizedWeight(good.qweight, good.scales[:, :1], good.offsets, 8, 4)
     with pytest.raises(ValueError, match="qweight for bits=8"):
         QuantizedWeight(good.qweight, good.scales, good.offsets, 8, 8)
-    with pytest.raises(TypeError, match="offsets must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"offsets must be a torch\.Tensor"):
         QuantizedWeight(good.qweight, good.scales, 0.0, 8, 4)
