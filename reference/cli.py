@@ -4,7 +4,8 @@
 SmolLM2-135M-Instruct (or `--model PATH`); `decodespec serve` answers the
 OpenAI API; `decodespec perplexity` scores a text with each weight format
 (`perplexity.py`); `decodespec demo` shows the sampling stage on example
-logits. The console script enters through `__main__.py`, which takes over Ctrl-C before this module is imported.
+logits. The console script enters through `__main__.py`, which takes over
+Ctrl-C before this module is imported.
 """
 
 from __future__ import annotations
