@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-prefix bench-structured gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-prefix bench-structured bench-quant gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	@python3 -m venv $(VENV) || { \
@@ -120,6 +120,12 @@ bench-prefix: $(STAMP)
 # results/structured-cpu.json
 bench-structured: $(STAMP)
 	$(PY) -m tests.benchmarks.structured
+
+# CPU benchmark of the weight formats (float32, bfloat16, int8, int4): decode tokens/s
+# beside llama.cpp on the same GGUF and threads, memory, and quality (perplexity, KL
+# divergence to float32, top-1 agreement on 20,480 tokens): results/quant-cpu.json
+bench-quant: $(STAMP)
+	$(PY) -m tests.benchmarks.quant
 
 # GPU benchmark of the paged attention kernel against its peers: results/attention-gpu.json
 bench-attention: $(STAMP)

@@ -47,7 +47,7 @@ engine never runs a sequence where the two would differ.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -155,6 +155,20 @@ def load_model(
     model = load_weights(path, dtype=dtype, weights=weights, progress=progress)
     directory = path if path.is_dir() else path.parent
     return model, Tokenizer.from_file(directory)
+
+
+def load_formats(
+    path: str | Path, formats: Sequence[str], *, progress: Progress | None = None
+) -> tuple[dict[str, ModelWeights], Tokenizer]:
+    """The model in each weight format of `formats`, and its tokenizer, opening a
+    GGUF file once (its header takes seconds to parse). Raises as `load_model`."""
+    path = Path(path)
+    if not (path.is_file() and looks_like_gguf(path)):
+        models = {name: load_weights(path, weights=name, progress=progress) for name in formats}
+        return models, Tokenizer.from_file(path if path.is_dir() else path.parent)
+    file = open_gguf(path)
+    models = {name: load_gguf(path, weights=name, progress=progress, file=file) for name in formats}
+    return models, Tokenizer.from_gguf(file)
 
 
 # ---------------------------------------------------------------------------

@@ -123,13 +123,8 @@ def score_formats(
     if context < 4 or context % 2:
         raise ValueError(f"context must be an even number >= 4, got {context}")
     order = [REFERENCE_FORMAT, *(f for f in dict.fromkeys(formats) if f != REFERENCE_FORMAT)]
-    models: dict[str, ModelWeights] = {}
-    tokenizer = None
-    for name in order:
-        progress(f"loading {name}")
-        loaded, tokenizer = loader.load_model(model, weights=name, progress=progress)
-        models[name] = prepare_for_torch(loaded)
-    assert tokenizer is not None
+    loaded, tokenizer = loader.load_formats(model, order, progress=progress)
+    models = {name: prepare_for_torch(weights) for name, weights in loaded.items()}
     max_context = models[REFERENCE_FORMAT].config.max_context
     if context > max_context:
         raise ValueError(f"context {context} is longer than the model's {max_context}")

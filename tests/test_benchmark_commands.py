@@ -5,7 +5,9 @@ on tiny shapes in the Triton interpreter and writes a results file of the real
 run's form. The CPU benchmark of speculative decoding runs its `--smoke` on a
 tiny random model, and so does the prefix-caching one; the serving benchmark's
 `--smoke` serves the bundled model to a few clients for a few tokens, and the
-structured-outputs one runs 4 prompts of the bundled model for a few tokens.
+structured-outputs one runs 4 prompts of the bundled model for a few tokens, and
+the weight-formats one decodes a few tokens in each format (and with llama.cpp)
+and scores one short window.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ SPECULATIVE = [sys.executable, "-m", "tests.benchmarks.speculative"]
 SERVE = [sys.executable, "-m", "tests.benchmarks.serve"]
 PREFIX = [sys.executable, "-m", "tests.benchmarks.prefix"]
 STRUCTURED = [sys.executable, "-m", "tests.benchmarks.structured"]
+QUANT = [sys.executable, "-m", "tests.benchmarks.quant"]
 GPU_CHECK = [sys.executable, "-m", "tests.benchmarks.gpu_check"]
 GPU_ENGINE = [sys.executable, "-m", "tests.benchmarks.gpu_engine"]
 
@@ -337,3 +340,25 @@ def test_gpu_check_records_failing_and_hanging_stages_and_exits_1(tmp_path, monk
     assert stages["passes"]["passed"] and stages["passes"]["environment"] == {"X": "1"}
     with pytest.raises(SystemExit):
         gpu_check.main(["--smoke", "--only", "nonsense", "--out-dir", str(tmp_path)])
+
+
+def test_quant_benchmark_smoke(tmp_path):
+    """Every format decodes beside llama.cpp and is scored against float32."""
+    out = tmp_path / "results" / "quant.json"
+    result = run([*QUANT, "--smoke", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and "not measurements" in report["note"]
+    speed, quality = report["speed"], report["quality"]
+    assert is_finite_number(speed["llama_cpp"]["decode_tokens_per_s"])
+    assert list(speed["formats"]) == ["float32", "bfloat16", "int8", "int4"]
+    sizes = [row["weight_bytes"] for row in speed["formats"].values()]
+    assert sizes == sorted(sizes, reverse=True), "each format smaller than the one before"
+    for name, row in speed["formats"].items():
+        assert is_finite_number(row["decode_tokens_per_s"]) and row["over_llama_cpp"] > 0, name
+        assert name in result.stdout
+    scores = {score["weights"]: score for score in quality["formats"]}
+    assert list(scores) == ["float32", "bfloat16", "int8", "int4"]
+    assert scores["float32"]["kl_max"] == 0 and scores["float32"]["top1_agreement"] == 1
+    assert all(scores[name]["kl_mean"] > 0 for name in ("bfloat16", "int8", "int4"))
+    assert [t["met"] in (True, False) for t in report["targets"]] == [True, True]

@@ -28,11 +28,12 @@ def small_model(monkeypatch):
     """`loader.load_model` answering with a random model in the requested format."""
     loads = []
 
-    def load_model(path, *, weights=None, progress=None):
-        loads.append((path, weights))
-        return convert_weights(random_weights(CONFIG, seed=7), weights), ByteTokenizer()
+    def load_formats(path, formats, *, progress=None):
+        loads.extend((path, name) for name in formats)
+        weights = random_weights(CONFIG, seed=7)
+        return {name: convert_weights(weights, name) for name in formats}, ByteTokenizer()
 
-    monkeypatch.setattr(perplexity.loader, "load_model", load_model)
+    monkeypatch.setattr(perplexity.loader, "load_formats", load_formats)
     return loads
 
 

@@ -289,13 +289,13 @@ def test_a_shared_prefix_is_served_from_the_cache_in_each_format(fmt):
 
 @pytest.fixture(scope="module")
 def bundled_int4_and_float32():
-    from decodespec.reference.loader import load_model
+    from decodespec.reference.loader import load_formats
     from decodespec.reference.model_files import bundled_model_path
 
     messages = []
-    int4, _ = load_model(bundled_model_path(), weights="int4", progress=messages.append)
-    float32, _ = load_model(bundled_model_path())
-    return int4, float32, messages
+    models, _ = load_formats(bundled_model_path(), ["int4", "float32"], progress=messages.append)
+    summary = [m for m in messages if m.startswith("int4: ")]
+    return models["int4"], models["float32"], summary
 
 
 @pytest.mark.clause("GGUF-GROUPS-1", "FWD-QUANT-1")
