@@ -57,7 +57,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prompt_ids(tokenizer) -> list[int]:  # noqa: ANN001
+def prompt_ids(tokenizer) -> list[int]:
     text = "The history of the printing press begins in the fifteenth century, when " * 4
     return tokenizer.encode(text, add_special_tokens=False)[:PROMPT_TOKENS]
 
@@ -75,7 +75,7 @@ def ours_decode(engine: Engine, ids: list[int], tokens: int) -> tuple[float, lis
     return (len(times) - 1) / (times[-1] - times[0]), out
 
 
-def llama_cpp_decode(llm, ids: list[int], tokens: int) -> tuple[float, list[int]]:  # noqa: ANN001
+def llama_cpp_decode(llm, ids: list[int], tokens: int) -> tuple[float, list[int]]:
     llm.reset()
     times, out = [], []
     for token in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -86,7 +86,7 @@ def llama_cpp_decode(llm, ids: list[int], tokens: int) -> tuple[float, list[int]
     return (len(times) - 1) / (times[-1] - times[0]), out
 
 
-def open_llama_cpp(path: Path, threads: int):  # noqa: ANN201
+def open_llama_cpp(path: Path, threads: int):
     import llama_cpp
 
     return llama_cpp.Llama(
