@@ -8,7 +8,8 @@ one for all; a backend is the table of functions it calls:
 - `torch`: the spec's functions, but attention batched across sequences
   (`batched_attention`) and quantized projections on PyTorch's CPU kernels
   (`cpu_linear`): the fast choice on a CPU, and `serve`'s default;
-- `triton`: the kernels (the Triton interpreter without a GPU).
+- `triton`: the kernels (the Triton interpreter without a GPU), quantized
+  projections included (`KernelLinear`).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from torch import Tensor
 
 from decodespec.spec import append, attention, sampling, speculative
 from decodespec.spec.forward import ModelWeights
+from decodespec.spec.quant import QuantizedWeight
 from decodespec.spec.sampling import InvalidLogitsError
 
 from . import batched_attention, cpu_linear
+from .weight_formats import map_quantized
 
 BACKENDS = ("spec", "torch", "triton")
 SERVE_BACKEND = "torch"  # `decodespec serve`'s default: throughput matters most there
@@ -59,6 +62,29 @@ class Backend:
     invalid_logits_error: type[ValueError] = InvalidLogitsError
     kernel_ops: tuple[str, ...] = ()
     prepare_weights: Callable[[ModelWeights], ModelWeights] = lambda weights: weights
+
+
+class KernelLinear:
+    """A quantized projection multiplied by the kernels' `quantized_linear` (the same
+    signature as the spec's, QUANT-LINEAR-1): the triton backend's."""
+
+    def __init__(self, weight: QuantizedWeight, quantized_linear: Callable[..., Tensor]) -> None:
+        self.weight = weight
+        self.quantized_linear = quantized_linear
+        self.shape, self.bits, self.group_size = weight.shape, weight.bits, weight.group_size
+        self.nbytes = weight.nbytes
+
+    def linear(self, x: Tensor) -> Tensor:
+        w = self.weight
+        return self.quantized_linear(
+            x, w.qweight, w.scales, w.offsets, group_size=w.group_size, bits=w.bits
+        )
+
+    def dequantize(self) -> Tensor:
+        return self.weight.dequantize()
+
+    def to(self, device: torch.device | str) -> KernelLinear:
+        return KernelLinear(self.weight.to(device), self.quantized_linear)
 
 
 def prepare_for_torch(weights: ModelWeights) -> ModelWeights:
@@ -109,7 +135,17 @@ def get_backend(name: str) -> Backend:
         op: getattr(kernels if op in provided else SPEC_BACKEND, op) for op in STAGE_OPERATIONS
     }
     error = kernels.InvalidLogitsError if "sample" in provided else InvalidLogitsError
-    return Backend("triton", **functions, invalid_logits_error=error, kernel_ops=provided)
+    prepare = SPEC_BACKEND.prepare_weights
+    if hasattr(kernels, "quantized_linear"):
+        provided = (*provided, "quantized_linear")
+
+        def prepare(weights: ModelWeights) -> ModelWeights:
+            return map_quantized(weights, lambda w: KernelLinear(w, kernels.quantized_linear))
+
+    return Backend(
+        "triton", **functions, invalid_logits_error=error, kernel_ops=provided,
+        prepare_weights=prepare,
+    )  # fmt: skip
 
 
 def check_backend_device(backend: Backend, device: torch.device) -> None:

@@ -23,13 +23,13 @@ scales, zeros and inputs, within QUANT-TOL-1's bfloat16 tolerance
 
 from __future__ import annotations
 
-from dataclasses import fields
-
 import torch
 from torch import Tensor
 
-from decodespec.spec.forward import LayerWeights, ModelWeights, Weight
+from decodespec.spec.forward import ModelWeights
 from decodespec.spec.quant import QuantizedWeight, unpack_codes
+
+from .weight_formats import map_quantized
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPE = torch.bfloat16
@@ -122,40 +122,17 @@ class CpuInt8Linear:
         return self
 
 
-def pack(weight: Weight) -> Weight:
-    """`weight` on a CPU kernel if it is a `QuantizedWeight` on the CPU, else itself."""
-    if not isinstance(weight, QuantizedWeight) or weight.qweight.device.type != "cpu":
-        return weight
+def pack(weight: QuantizedWeight) -> CpuInt4Linear | CpuInt8Linear:
+    """`weight` on the CPU kernel for its bits (ValueError if the kernel cannot take it)."""
     return CpuInt4Linear(weight) if weight.bits == 4 else CpuInt8Linear(weight)
 
 
 def pack_for_cpu(model: ModelWeights) -> ModelWeights:
-    """`model` with every quantized projection on a CPU kernel (a new object; dense
-    tensors are shared, not copied).
+    """`model` with every quantized projection on a CPU kernel (dense tensors shared).
 
     Raises:
         ValueError: a quantized projection no CPU kernel takes (int4 groups
             other than 32/64/128/256, int8 with groups or offsets, int8 with
             `in_features` not a multiple of 16), naming the projection.
     """
-    if not any(
-        isinstance(getattr(layer, f.name), QuantizedWeight)
-        for layer in model.layers
-        for f in fields(layer)
-    ) and not isinstance(model.output, QuantizedWeight):
-        return model
-
-    def packed(where: str, weight: Weight) -> Weight:
-        try:
-            return pack(weight)
-        except ValueError as error:
-            raise ValueError(f"{where}: {error}") from error
-
-    layers = [
-        LayerWeights(
-            **{f.name: packed(f"layer {i} {f.name}", getattr(layer, f.name)) for f in fields(layer)}
-        )
-        for i, layer in enumerate(model.layers)
-    ]
-    output = packed("the output projection", model.output)
-    return ModelWeights(model.config, model.embedding, layers, model.final_norm, output)
+    return map_quantized(model, pack)

@@ -167,6 +167,33 @@ def _dense(model: ModelWeights, dtype: torch.dtype) -> ModelWeights:
     return ModelWeights(model.config, embedding, layers, model.final_norm.to(dtype), output)
 
 
+def map_quantized(
+    model: ModelWeights, convert: Callable[[QuantizedWeight], Weight]
+) -> ModelWeights:
+    """`model` with every `QuantizedWeight` projection replaced by `convert(weight)` (a
+    new object; everything else shared). An error of `convert` names the projection."""
+
+    def converted(where: str, weight: Weight | None) -> Weight | None:
+        if not isinstance(weight, QuantizedWeight):
+            return weight
+        try:
+            return convert(weight)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+
+    layers = [
+        LayerWeights(
+            **{
+                f.name: converted(f"layer {i} {f.name}", getattr(layer, f.name))
+                for f in fields(layer)
+            }
+        )
+        for i, layer in enumerate(model.layers)
+    ]
+    output = converted("the output projection", model.output)
+    return ModelWeights(model.config, model.embedding, layers, model.final_norm, output)
+
+
 def weight_bytes(model: ModelWeights) -> int:
     """Bytes the model's weights hold (a tensor shared by two fields counted once)."""
     seen: set[int] = set()
