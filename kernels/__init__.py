@@ -21,6 +21,7 @@ implementation, runs their tests as a self-check of the spec.
 from .append import append_kv
 from .attention import paged_attention
 from .logprobs import Logprobs, compute_logprobs
+from .quant_linear import quantized_linear
 from .sampling import (
     InvalidLogitsError,
     greedy,
@@ -31,7 +32,6 @@ from .sampling import (
     top_p_mask,
     uniform,
 )
-from .quant_linear import quantized_linear
 from .speculative import Verification, verify_drafts
 from .token_mask import apply_token_bitmask
 

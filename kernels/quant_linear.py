@@ -229,8 +229,7 @@ def _check(
             raise ValueError(f"{name} is on {value.device}, qweight on {qweight.device}")
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(
-            f"x must be float16, bfloat16, float32 or float64 for the Triton kernel, "
-            f"got {x.dtype}"
+            f"x must be float16, bfloat16, float32 or float64 for the Triton kernel, got {x.dtype}"
         )
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}] (in_features of qweight), got {list(x.shape)}")
@@ -308,9 +307,7 @@ def quantized_linear(
     # One slice written in x's dtype directly; several, or the interpreter's
     # rounding, go through a float32 (float64) buffer that PyTorch sums and rounds.
     direct = splits == 1 and not (INTERPRET and x.dtype == torch.bfloat16)
-    out = torch.empty(
-        (splits, m, n), dtype=x.dtype if direct else compute, device=x.device
-    )
+    out = torch.empty((splits, m, n), dtype=x.dtype if direct else compute, device=x.device)
     common = dict(
         BITS=bits,
         BLOCK_N=block_n,
@@ -326,9 +323,7 @@ def quantized_linear(
         _quantized_gemm_kernel[grid](*args, BLOCK_M=block_m, UPCAST=upcast, **common)
     else:
         grid = (m, triton.cdiv(n, block_n), splits)
-        _quantized_gemv_kernel[grid](
-            *args, COMPUTE=tl.float64 if fp64 else tl.float32, **common
-        )
+        _quantized_gemv_kernel[grid](*args, COMPUTE=tl.float64 if fp64 else tl.float32, **common)
     if direct:
         return out[0]
     return out.sum(0).to(x.dtype) if splits > 1 else out[0].to(x.dtype)
