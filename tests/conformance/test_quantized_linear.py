@@ -116,7 +116,9 @@ def cases(
     m = draw(st.integers(1, MAX_M))
     n = draw(st.integers(1, MAX_N))
     dtype = draw(st.sampled_from(dtypes))
-    scale_dtype = draw(st.sampled_from((torch.float32, dtype)))
+    # float64 x takes float64 scales: the spec evaluates W in the scales' precision
+    # (QUANT-GROUP-1), and float32 weights are not within float64's rtol of the reference.
+    scale_dtype = dtype if dtype == torch.float64 else draw(st.sampled_from((torch.float32, dtype)))
     seed = draw(st.integers(0, 2**32 - 1))
     return make_case(m, n, k, group_size, bits, dtype, seed, scale_dtype)
 
