@@ -219,9 +219,7 @@ def test_each_group_has_its_own_scale_and_offset(impl, bits):
     scales, offsets = case.scales.clone(), case.offsets.clone()
     scales[row, group] *= 3.0
     offsets[row, group] -= 2.0
-    changed = Case(
-        case.x, case.qweight, scales, offsets, group_size, bits, case.codes
-    )
+    changed = Case(case.x, case.qweight, scales, offsets, group_size, bits, case.codes)
     after = call(impl, changed).cpu().double()
     span = slice(group * group_size, (group + 1) * group_size)
     delta_w = (
