@@ -21,9 +21,11 @@ with the activations. Two kernels share that tile:
   output tiles, `tl.dot` on the tensor cores with the dequantized tile cast
   to the activation dtype (float32: `input_precision="ieee"`, no TF32).
 
-Group scales: when a tile lies inside one group (`group_size` a multiple of
-`BLOCK_K`) one scale per row is loaded per K-tile; otherwise each element's
-group `k // G` is gathered, which is correct for any `G` that divides `K`.
+Group scales, per K-tile: when the tile lies inside one group (`group_size` a
+multiple of `BLOCK_K`), one scale and offset a row; when it holds whole groups
+(`BLOCK_K` a multiple of `group_size`: 32 for Q4_1/Q8_0-like layouts), one a
+group, broadcast over the group's columns; otherwise each element's group
+`k // G` is gathered, which is correct for any `G` that divides `K`.
 In the Triton interpreter bfloat16 arithmetic and float32 → bfloat16 casts
 are wrong: there the tiles are upcast to float32 and the result is written
 in float32 and rounded by PyTorch (`UPCAST`).
@@ -60,8 +62,9 @@ def dequantize_tile(  # noqa: ANN201 (a Triton block)
     stride_on,
     group_size,
     BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_TILE: tl.constexpr,
+    GROUPS_IN_TILE: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     """The weights `W[n, k0 : k0 + BLOCK_K]` `[BLOCK_N, BLOCK_K]` in COMPUTE, 0 past `K`
@@ -83,12 +86,22 @@ def dequantize_tile(  # noqa: ANN201 (a Triton block)
             mask=n_valid[:, None] & k_valid[None, :],
             other=0,
         ).to(tl.int32)
-    if GROUP_TILE:  # the tile lies inside group k0 // G: one scale and offset a row
+    if GROUPS_IN_TILE == 1:  # the tile lies inside group k0 // G: one scale and offset a row
         group = k0 // group_size
         s = tl.load(s_ptr + n * stride_sn + group, mask=n_valid, other=0.0).to(COMPUTE)
         o = tl.load(o_ptr + n * stride_on + group, mask=n_valid, other=0.0).to(COMPUTE)
         w = codes.to(COMPUTE) * s[:, None] + o[:, None]
-    else:  # several groups in the tile, or groups across tiles: each element's own
+    elif GROUPS_IN_TILE > 1:  # whole groups of BLOCK_K / GROUPS_IN_TILE: a scale per group
+        group = k0 // group_size + tl.arange(0, GROUPS_IN_TILE)
+        mask = n_valid[:, None] & (group * group_size < K)[None, :]
+        s = tl.load(s_ptr + n[:, None] * stride_sn + group[None, :], mask=mask, other=0.0)
+        o = tl.load(o_ptr + n[:, None] * stride_on + group[None, :], mask=mask, other=0.0)
+        grouped = tl.reshape(
+            codes.to(COMPUTE), [BLOCK_N, GROUPS_IN_TILE, BLOCK_K // GROUPS_IN_TILE]
+        )
+        w = grouped * s.to(COMPUTE)[:, :, None] + o.to(COMPUTE)[:, :, None]
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+    else:  # groups across tiles, of any size: each element's own group k // G
         group = k // group_size
         mask = n_valid[:, None] & k_valid[None, :]
         s = tl.load(s_ptr + n[:, None] * stride_sn + group[None, :], mask=mask, other=0.0)
@@ -117,7 +130,7 @@ def _quantized_gemv_kernel(
     BITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_TILE: tl.constexpr,
+    GROUPS_IN_TILE: tl.constexpr,
     COMPUTE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -132,7 +145,7 @@ def _quantized_gemv_kernel(
         x = tl.load(x_ptr + row * stride_xm + k, mask=k < k_stop, other=0.0).to(COMPUTE)
         w = dequantize_tile(
             q_ptr, s_ptr, o_ptr, n, k0, n_valid, k_stop, stride_qn, stride_sn, stride_on,
-            group_size, BITS, BLOCK_K, GROUP_TILE, COMPUTE,
+            group_size, BITS, BLOCK_N, BLOCK_K, GROUPS_IN_TILE, COMPUTE,
         )  # fmt: skip
         acc += tl.sum(w * x[None, :], axis=1)
     out = out_ptr + split.to(tl.int64) * M * N + row * N + n
@@ -159,7 +172,7 @@ def _quantized_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_TILE: tl.constexpr,
+    GROUPS_IN_TILE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -179,7 +192,7 @@ def _quantized_gemm_kernel(
         )
         w = dequantize_tile(
             q_ptr, s_ptr, o_ptr, n, k0, n_valid, k_stop, stride_qn, stride_sn, stride_on,
-            group_size, BITS, BLOCK_K, GROUP_TILE, tl.float32,
+            group_size, BITS, BLOCK_N, BLOCK_K, GROUPS_IN_TILE, tl.float32,
         )  # fmt: skip
         if UPCAST:  # the interpreter: float32 throughout
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
@@ -237,6 +250,16 @@ def _check(
         raise ValueError(f"x is on {x.device}, qweight on {qweight.device}")
     check_kernel_device("x", x)
     return x.shape[0], n, k
+
+
+def _groups_in_tile(group_size: int, block_k: int) -> int:
+    """1: a K-tile lies inside one group; g > 1: it holds g whole groups; 0: groups cross
+    the tiles (each element's group is gathered)."""
+    if group_size % block_k == 0:
+        return 1
+    if block_k % group_size == 0:
+        return block_k // group_size
+    return 0
 
 
 def _programs_wanted(device: torch.device) -> int:
@@ -312,7 +335,7 @@ def quantized_linear(
         BITS=bits,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        GROUP_TILE=group_size % block_k == 0,
+        GROUPS_IN_TILE=_groups_in_tile(group_size, block_k),
     )
     args = (
         x, qweight, scales, offsets, out, m, n, k, k_per_split,
