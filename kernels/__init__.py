@@ -12,7 +12,8 @@ Kernels so far: `paged_attention` (with split-KV; see `attention.py`),
 the three filter masks and `uniform` (`sampling.py`), `compute_logprobs`
 (`logprobs.py`), and the verification of speculative drafts,
 `verify_drafts` (`speculative.py`), and the grammar's token mask,
-`apply_token_bitmask` (`token_mask.py`). The conformance suite
+`apply_token_bitmask` (`token_mask.py`), and the weight-only int4/int8
+dequant GEMV/GEMM, `quantized_linear` (`quant_linear.py`). The conformance suite
 lists the other operations as missing and, with this package as the default
 implementation, runs their tests as a self-check of the spec.
 """
@@ -20,6 +21,7 @@ implementation, runs their tests as a self-check of the spec.
 from .append import append_kv
 from .attention import paged_attention
 from .logprobs import Logprobs, compute_logprobs
+from .quant_linear import quantized_linear
 from .sampling import (
     InvalidLogitsError,
     greedy,
@@ -44,6 +46,7 @@ __all__ = [
     "min_p_mask",
     "paged_attention",
     "process_logits",
+    "quantized_linear",
     "sample",
     "top_k_mask",
     "top_p_mask",

@@ -262,6 +262,18 @@ OPERATIONS: dict[str, Operation] = {
             ),
             Tolerance("boundary", margin=2.0**-20),
         ),
+        _op(
+            "quantized_linear",
+            "quant",
+            (
+                "QUANT-GROUP-1",
+                "QUANT-CODES-1",
+                "QUANT-LINEAR-1",
+                "QUANT-TOL-1",
+                "QUANT-VALID-1",
+            ),
+            RELATIVE,
+        ),
     )
 }
 

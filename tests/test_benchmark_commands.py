@@ -32,6 +32,7 @@ SERVE = [sys.executable, "-m", "tests.benchmarks.serve"]
 PREFIX = [sys.executable, "-m", "tests.benchmarks.prefix"]
 STRUCTURED = [sys.executable, "-m", "tests.benchmarks.structured"]
 QUANT = [sys.executable, "-m", "tests.benchmarks.quant"]
+QUANT_LINEAR = [sys.executable, "-m", "tests.benchmarks.quant_linear"]
 GPU_CHECK = [sys.executable, "-m", "tests.benchmarks.gpu_check"]
 GPU_ENGINE = [sys.executable, "-m", "tests.benchmarks.gpu_engine"]
 
@@ -52,8 +53,8 @@ def is_finite_number(value) -> bool:
 )
 @pytest.mark.parametrize(
     "command",
-    [ATTENTION, SAMPLING, GPU_ENGINE],
-    ids=["attention", "sampling", "gpu-engine"],
+    [ATTENTION, SAMPLING, QUANT_LINEAR, GPU_ENGINE],
+    ids=["attention", "sampling", "quant-linear", "gpu-engine"],
 )
 def test_benchmark_refuses_without_cuda(tmp_path, command):
     out = tmp_path / "results.json"
@@ -127,6 +128,29 @@ def test_sampling_benchmark_smoke(tmp_path):
     targets = report["targets"]
     assert len(targets) == 3
     assert [target["met"] for target in targets] == [None, None, None], "nothing to compare"
+
+
+def test_quant_linear_benchmark_smoke(tmp_path):
+    """int4 and int8, decode and prefill rows: timed, checked against the spec, and
+    compared with the dense product."""
+    out = tmp_path / "results" / "quant_linear.json"
+    result = run([*QUANT_LINEAR, "--smoke", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert_smoke_header(report)
+    assert {(c["case"]["bits"], c["case"]["m"] == 1) for c in report["cases"]} == {
+        (4, True),
+        (4, False),
+        (8, True),
+        (8, False),
+    }
+    for case in report["cases"]:
+        assert case["name"] in result.stdout
+        assert case["ours"]["within_tolerance"] is True
+        for part, keys in (("ours", ("median_ms", "bytes", "GBps")), ("dense", ("ratio",))):
+            for key in keys:
+                assert is_finite_number(case[part][key]) and case[part][key] > 0, (part, key)
+    assert report["all_within_tolerance"] is True
 
 
 def test_speculative_benchmark_smoke(tmp_path):
@@ -301,7 +325,7 @@ def test_gpu_check_smoke_runs_every_stage_and_summarises(tmp_path):
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     assert summary["smoke"] is True and "not measurements" in summary["note"]
     assert {"date", "torch", "triton", "device"} <= set(summary["environment"])
-    assert list(summary["stages"]) == ["tests", "attention", "sampling", "engine"]
+    assert list(summary["stages"]) == ["tests", "attention", "sampling", "quant_linear", "engine"]
     assert summary["passed"] is True
     for name, stage in summary["stages"].items():
         assert stage["passed"] and stage["returncode"] == 0, name
@@ -311,7 +335,7 @@ def test_gpu_check_smoke_runs_every_stage_and_summarises(tmp_path):
     assert [row["backend"] for row in engine["backends"]] == ["spec", "torch", "triton"]
     assert engine["same_tokens"] is True
     assert all(is_finite_number(row["ttft_ms"]) for row in engine["backends"])
-    for name in ("attention", "sampling"):
+    for name in ("attention", "sampling", "quant_linear"):
         assert json.loads((tmp_path / f"{name}-gpu.json").read_text())["smoke"] is True
 
 

@@ -8,8 +8,10 @@ one that hangs or crashes leaves the others their minutes:
    (`DECODESPEC_SIZES=large`: batches to 64, vocabularies to 262,144,
    contexts to 64k, the 64-bit addressing case) in float32, float16 and
    bfloat16 (the suites' own parameters);
-2. `attention`, `sampling`: the kernel benchmarks against their peers
-   (`results/attention-gpu.json`, `results/sampling-gpu.json`);
+2. `attention`, `sampling`, `quant_linear`: the kernel benchmarks against
+   their peers (`results/attention-gpu.json`, `results/sampling-gpu.json`,
+   `results/quant_linear-gpu.json`: int4/int8 decode and prefill against the
+   dense bfloat16 product);
 3. `engine`: the bundled model on the GPU with the spec, torch and triton
    backends: greedy tokens must equal the spec backend's on the same GPU;
    TTFT and decode tokens/s of each (`results/engine-gpu.json`).
@@ -81,7 +83,7 @@ def stages(out_dir: Path, smoke: bool) -> list[tuple[str, list[str], dict[str, s
                 {},
                 150,
             )
-            for name in ("attention", "sampling")
+            for name in ("attention", "sampling", "quant_linear")
         ),
         (
             "engine",
