@@ -24,15 +24,19 @@ point, on the device of `qweight`.
 
 [QUANT-LINEAR-1] The weight-only quantized linear is
 `quantized_linear(x, ...) = x · dequantize(W)ᵀ`: `x` `[M, K]` of any floating
-dtype, the products accumulated in float32 (float64 for float64 `x`), the
-result `[M, N]` in `x`'s dtype. Every fast path computes this function.
+dtype, `W` evaluated and the products accumulated in float32 (float64 for
+float64 `x`), the result `[M, N]` in `x`'s dtype. Every fast path computes
+this function.
 
 [QUANT-TOL-1] Tolerance: a fast path may round differently (scales and
 offsets in the activation dtype, another summation order, a different
 dequantize-then-multiply split), but not more than the registry's relative
 policy allows against this definition evaluated in float64 on the same codes:
-`‖y − y_ref‖ / ‖y_ref‖` below 1e-5 for float32 `x`, 1e-3 for float16 and
-1e-2 for bfloat16 (which admits bfloat16 scales and offsets).
+`‖y − y_ref‖ / max(‖y_ref‖, ‖|x| · |W|ᵀ‖ / √K)` below 1e-5 for float32 `x`,
+1e-3 for float16 and 1e-2 for bfloat16 (which admits bfloat16 scales and
+offsets). The floor in the denominator is the size of the terms summed: a
+sum's rounding is relative to its terms, so an output whose terms cancel is
+not held to a bound no float32 sum can meet.
 
 [QUANT-ROUND-1] Float weights are quantized (`quantize_weight`) group by
 group. `bits = 4` is asymmetric, like GGUF Q4_1: `o = min(w)`,
@@ -163,8 +167,10 @@ def quantized_linear(
     if x.device != qweight.device:
         raise ValueError(f"x is on {x.device}, qweight on {qweight.device}")
     compute = torch.promote_types(x.dtype, torch.float32)
-    weight = dequantize_weight(qweight, scales, offsets, group_size=group_size, bits=bits)
-    return (x.to(compute) @ weight.to(compute).T).to(x.dtype)
+    weight = dequantize_weight(
+        qweight, scales.to(compute), offsets.to(compute), group_size=group_size, bits=bits
+    )
+    return (x.to(compute) @ weight.T).to(x.dtype)
 
 
 def quantize_weight(weight: Tensor, *, bits: int, group_size: int) -> QuantizedWeight:

@@ -220,6 +220,7 @@ def test_every_operation_names_real_clauses():
         "decodespec.kernels.sampling",
         "decodespec.kernels.speculative",
         "decodespec.kernels.token_mask",
+        "decodespec.kernels.quant_linear",
         "decodespec.reference.drafters",
     ),
 )

@@ -62,10 +62,12 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def kernel_error(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> float:
-    """QUANT-TOL-1's error: against the definition in float64, relative to the size
-    of the terms summed (`|x| · |W|ᵀ`), so cancellation in one output is not error."""
-    magnitude = x.double().abs() @ weight.dequantize().double().abs().T
-    return float((out.double() - definition(x, weight)).norm() / magnitude.norm())
+    """QUANT-TOL-1's error: against the definition in float64, relative to the larger
+    of its norm and the size of the terms summed (`‖|x| · |W|ᵀ‖ / √K`)."""
+    want = definition(x, weight)
+    terms = x.double().abs() @ weight.dequantize().double().abs().T
+    scale = max(float(want.norm()), float(terms.norm()) / x.shape[1] ** 0.5)
+    return float((out.double() - want).norm()) / scale
 
 
 def definition(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
