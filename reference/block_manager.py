@@ -71,8 +71,12 @@ class BlockManager:
         the rest; False, taking none, if they do not fit."""
         sequence = request.prompt_ids + request.output_ids
         size = self.block_size
-        # The last token always runs: its logits choose the next token.
-        hits, keys = self.allocator.match_prefix(sequence, size, (len(sequence) - 1) // size)
+        # The last token always runs: its logits choose the next token. So do the
+        # positions that score the prompt (prompt_logprobs): the cache has no logits.
+        limit = (len(sequence) - 1) // size
+        if request.prompt_positions():
+            limit = min(limit, request.prompt_positions().start // size)
+        hits, keys = self.allocator.match_prefix(sequence, size, limit)
         self.allocator.share(hits)  # before allocating, so that no hit is evicted for the rest
         request.blocks = list(hits)
         if not self.grow(request, request.length):

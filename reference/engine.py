@@ -170,6 +170,7 @@ class Engine:
         arrival: float | None = None,
         num_draft: int | None = None,
         structured_output: StructuredOutput | None = None,
+        prompt_logprobs: int | None = None,
     ) -> int:
         """Queue a request; it joins the batch at the next step with room for it.
 
@@ -179,6 +180,16 @@ class Engine:
         (0: no speculation for it); only an engine with a drafter takes one > 0.
         `structured_output` constrains every token to a grammar (MASK-ADVANCE-1):
         it is compiled here, before the request is queued.
+
+        `prompt_logprobs` k in [0, 20] scores the prompt (vLLM's prompt_logprobs):
+        the output's `prompt_logprobs` holds None for position 0, then for each
+        prompt token t >= 1 a `TokenLogprobs` (its logprob given tokens < t, its
+        rank, the top-k) of the raw logits, `compute_logprobs(forward_naive(weights,
+        prompt)[t - 1:t], [prompt[t]], k)` (LOGPROB-RAW-1: no processor, no
+        temperature, whatever the request's parameters). Every position is scored
+        once, across preemptions; the prefix cache serves none of the positions
+        still to score (they need logits), and the request's blocks are still
+        cached for others. The first step output carries them too.
 
         Raises:
             TypeError, ValueError: invalid parameters or prompt for this model
@@ -203,6 +214,14 @@ class Engine:
                 )
             if num_draft > self.num_draft:
                 raise ValueError(f"num_draft must be in [0, {self.num_draft}], got {num_draft}")
+        if prompt_logprobs is not None and (
+            not isinstance(prompt_logprobs, int)
+            or isinstance(prompt_logprobs, bool)
+            or not 0 <= prompt_logprobs <= sampling_params.MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}"
+            )
         matcher = None
         if structured_output is not None:
             if params.ignore_eos:
@@ -228,6 +247,8 @@ class Engine:
             logits_state=LogitsState(params, prompt_ids, matcher=matcher),
             arrival=time.perf_counter() if arrival is None else arrival,
             num_draft=num_draft,
+            prompt_top=prompt_logprobs,
+            prompt_logprobs=[] if prompt_logprobs is None else [None],
         )
         self.scheduler.add(request)
         self.requests[request.id] = request

@@ -65,6 +65,7 @@ class _Add:
     arrival: float
     num_draft: int | None
     structured_output: StructuredOutput | None
+    prompt_logprobs: int | None
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future[Stream]
 
@@ -100,9 +101,10 @@ class EngineLoop:
         arrival: float | None = None,
         num_draft: int | None = None,
         structured_output: StructuredOutput | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Stream:
         """Queue a request; its `Stream` once the engine has accepted it. `arrival`,
-        `num_draft` and `structured_output` are `Engine.add_request`'s.
+        `num_draft`, `structured_output` and `prompt_logprobs` are `Engine.add_request`'s.
 
         Raises:
             TypeError, ValueError: the engine refused the request (`Engine.add_request`).
@@ -113,7 +115,10 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[Stream] = loop.create_future()
         arrival = time.perf_counter() if arrival is None else arrival
-        add = _Add(list(prompt_ids), params, arrival, num_draft, structured_output, loop, accepted)
+        add = _Add(
+            list(prompt_ids), params, arrival, num_draft, structured_output, prompt_logprobs, loop,
+            accepted,
+        )  # fmt: skip
         self._send(add)
         return await accepted
 
@@ -168,7 +173,12 @@ class EngineLoop:
     def _add(self, add: _Add) -> None:
         try:
             request_id = self.engine.add_request(
-                add.prompt_ids, add.params, add.arrival, add.num_draft, add.structured_output
+                add.prompt_ids,
+                add.params,
+                add.arrival,
+                add.num_draft,
+                add.structured_output,
+                prompt_logprobs=add.prompt_logprobs,
             )
         except (TypeError, ValueError) as error:
             _call(add.loop, self._settle, add.accepted, None, error)

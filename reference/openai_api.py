@@ -7,7 +7,7 @@ The body fields of the sampling parameters are those `SamplingParams`
 declares (`api`), and every check of a value's range is the spec's own
 (`SamplingParams`, `validate_request`), whose errors name the field in
 `.param`; this module adds the JSON types and the API's names.
-`Responder` writes the response objects and the stream's chunks.
+The response objects and the stream's chunks are `completions_format.py`'s.
 
 Beyond the OpenAI fields, a request may carry decodespec's other parameters
 as extra body fields, as vLLM accepts them: `top_k`, `min_p`,
@@ -18,7 +18,8 @@ and, on a server started with a drafter (`--speculate`), `num_draft`: at
 most this many draft tokens per step for the request (0: none).
 Structured outputs: OpenAI's `response_format` (json_object, json_schema) and
 vLLM's `structured_outputs` (json, regex, grammar, choice) and `guided_*`
-(`structured_api.py`).
+(`structured_api.py`). Scoring text: `echo`, `max_tokens: 0` with echo, and
+vLLM's `prompt_logprobs` (`scoring_api.py`).
 Each response carries two more fields: `seed` (the one used, drawn when the
 request had none) and `timing` (time to first token, inter-token latencies
 and tokens per second, measured from the moment the request arrived).
@@ -26,19 +27,16 @@ and tokens per second, measured from the moment the request arrived).
 
 from __future__ import annotations
 
-import math
-import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from decodespec.spec.checks import ContextLengthError, ParameterError
-from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.params import PARAMETERS, SamplingParams, validate_request
 
 from .grammar import GrammarError, StructuredOutput
-from .request import RequestOutput, RequestStepOutput
+from .scoring_api import FIELDS as SCORING_FIELDS
+from .scoring_api import Scoring, ScoringError, parse_scoring
 from .structured_api import FIELDS as STRUCTURED_FIELDS
 from .structured_api import parse_structured_output
 from .tokenizer import Tokenizer
@@ -60,15 +58,13 @@ COMMON_FIELDS = {
     *STRUCTURED_FIELDS,
 }
 FIELDS = {
-    "completion": COMMON_FIELDS | {"prompt", "logprobs", "echo"},
-    "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    "completion": COMMON_FIELDS | {"prompt", "logprobs", *SCORING_FIELDS["completion"]},
+    "chat": COMMON_FIELDS
+    | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", *SCORING_FIELDS["chat"]},
 }
 # The default length: OpenAI's legacy completions stop at 16 tokens; a chat
 # answer runs until it ends or fills the context.
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": None}
-# JSON has no -inf: a token the filters removed ("processed" logprobs) is
-# reported at this logprob, as vLLM does.
-MIN_LOGPROB = -9999.0
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -113,6 +109,9 @@ class APIRequest:
     model: str
     num_draft: int | None = None  # speculative decoding: this request's cap on drafts
     structured_output: StructuredOutput | None = None  # its grammar (`structured_api.py`)
+    scoring: Scoring = field(
+        default_factory=Scoring
+    )  # echo, prompt_logprobs, max_tokens 0 (`scoring_api.py`)
 
 
 # ---------------------------------------------------------------- parsing
@@ -177,8 +176,6 @@ def parse_request(
     else:
         prompt_ids = _completion_prompt(body, tokenizer)
         length_name = "max_tokens"
-        if _get(body, "echo", bool, False):
-            raise bad_param("echo", "echo is not supported: the response holds the completion only")
         top_n = body.get("logprobs")
         if isinstance(top_n, bool):  # JSON true is not a count
             raise bad_param("logprobs", f"logprobs must be an integer in [0, 20], got {top_n}")
@@ -190,6 +187,12 @@ def parse_request(
     given = {name: body[api] for api, name in PARAMETER_FIELDS.items() if api in body}
     given["logit_bias"] = _logit_bias(given.get("logit_bias", {}))
     given["max_tokens"] = body.get(length_name, DEFAULT_MAX_TOKENS[kind])
+    try:
+        scoring = parse_scoring(body, kind, prompt_ids, tokenizer)
+    except ScoringError as error:
+        raise bad_param(error.param, str(error)) from None
+    if scoring.score_only:  # run one token, which the answer drops
+        given["max_tokens"] = 1
     try:
         params = SamplingParams(**given, top_logprobs=top_n)
         validate_request(params, prompt_ids, vocab_size=vocab_size, max_context=max_context)
@@ -211,8 +214,9 @@ def parse_request(
     except GrammarError as error:
         raise bad_param(error.param, str(error)) from None
     return APIRequest(
-        kind, prompt_ids, params, stream, include_usage, logprobs, model, num_draft, structured
-    )
+        kind, prompt_ids, params, stream, include_usage, logprobs, model, num_draft, structured,
+        scoring,
+    )  # fmt: skip
 
 
 def refusal(error: ParameterError, names: Mapping[str, str]) -> APIError:
@@ -330,159 +334,3 @@ def _content(content: object, i: int) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise bad_param("messages", f"messages[{i}].content must be a string or an array of parts")
-
-
-# ---------------------------------------------------------------- responses
-
-
-class Responder:
-    """The response objects of one request: chunks while it streams, or the whole."""
-
-    def __init__(self, request: APIRequest, tokenizer: Tokenizer) -> None:
-        self.request = request
-        self.tokenizer = tokenizer
-        prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.text_offset = 0  # completions' logprobs: where the next token's text starts
-
-    def _object(self, chunk: bool) -> dict:
-        if self.request.kind == "chat":
-            kind = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.request.model}
-
-    # -- streaming
-
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant's role."""
-        if self.request.kind != "chat":
-            return None
-        return self._chunk({"role": "assistant", "content": ""}, None)
-
-    def chunk(self, event: RequestStepOutput) -> dict | None:
-        """One event as a chunk; None when it carries nothing to send."""
-        logprobs = None
-        if self.request.logprobs and event.logprobs is not None:
-            logprobs = self.logprobs([event.logprobs])
-        if not event.text and logprobs is None:
-            return None
-        if self.request.kind == "chat":
-            return self._chunk({"content": event.text}, logprobs)
-        return self._chunk(event.text, logprobs)
-
-    def last_chunk(self, output: RequestOutput) -> dict:
-        """The chunk with the finish reason, the seed and the timings."""
-        chunk = self._chunk({} if self.request.kind == "chat" else "", None)
-        chunk["choices"][0]["finish_reason"] = output.finish_reason
-        return {**chunk, **self.extensions(output)}
-
-    def usage_chunk(self, output: RequestOutput) -> dict:
-        """`stream_options.include_usage`: a last chunk with no choices and the usage."""
-        return {**self._object(chunk=True), "choices": [], "usage": usage(output)}
-
-    def _chunk(self, delta: dict | str, logprobs: dict | None) -> dict:
-        choice: dict = {"index": 0}
-        if self.request.kind == "chat":
-            choice["delta"] = delta
-        else:
-            choice["text"] = delta
-        choice |= {"logprobs": logprobs, "finish_reason": None}
-        return {**self._object(chunk=True), "choices": [choice]}
-
-    # -- whole
-
-    def response(self, output: RequestOutput) -> dict:
-        """The non-streamed response."""
-        logprobs = self.logprobs(output.logprobs or []) if self.request.logprobs else None
-        choice: dict = {"index": 0}
-        if self.request.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": output.text}
-        else:
-            choice["text"] = output.text
-        choice |= {"logprobs": logprobs, "finish_reason": output.finish_reason}
-        return {
-            **self._object(chunk=False),
-            "choices": [choice],
-            "usage": usage(output),
-            **self.extensions(output),
-        }
-
-    def extensions(self, output: RequestOutput) -> dict:
-        """decodespec's fields: the seed used and the timings."""
-        timing = {
-            "ttft_s": output.ttft_s,
-            "tokens_per_s": output.tokens_per_s,
-            "prompt_tokens_per_s": output.prompt_tokens_per_s,
-            "inter_token_latencies_s": output.inter_token_latencies_s,
-        }
-        if output.draft_tokens:
-            timing["acceptance_rate"] = output.acceptance_rate
-            timing["tokens_per_target_pass"] = output.tokens_per_target_pass
-        return {"seed": output.seed, "timing": timing}
-
-    # -- logprobs
-
-    def logprobs(self, steps: list[TokenLogprobs]) -> dict:
-        """Chat: `{"content": [...]}` with bytes and the token's rank (an extension), and
-        for a structured output each alternative's `allowed` (False: the grammar
-        removed it; an extension); completions: the legacy `tokens`,
-        `token_logprobs`, `top_logprobs`, `text_offset`."""
-        if self.request.kind == "chat":
-            content = []
-            constrained = self.request.structured_output is not None
-            for step in steps:
-                entry = self._token(step.token_id, step.logprob)
-                entry["top_logprobs"] = [self._token(t, lp) for t, lp in step.top]
-                if constrained:
-                    for alternative, (t, _) in zip(entry["top_logprobs"], step.top, strict=True):
-                        alternative["allowed"] = t not in step.removed
-                entry["rank"] = step.rank
-                content.append(entry)
-            return {"content": content}
-        legacy: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for step in steps:
-            legacy["tokens"].append(self._legacy_token(step.token_id))
-            legacy["token_logprobs"].append(_finite(step.logprob))
-            top = {self._legacy_token(t): _finite(lp) for t, lp in step.top}
-            legacy["top_logprobs"].append(top)
-            legacy["text_offset"].append(self.text_offset)
-            self.text_offset += len(self._text(step.token_id))
-        return legacy
-
-    def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _legacy_token(self, token_id: int) -> str:
-        """The token as the legacy format names it: its text, or, for a token that holds
-        part of a UTF-8 character, `bytes:\\xNN...` as OpenAI writes it. Every such
-        token would otherwise decode to the same "\ufffd" and, as a key of
-        `top_logprobs`, overwrite the others."""
-        raw = self.tokenizer.token_bytes(token_id)
-        if raw:
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
-        return self._text(token_id)
-
-    def _token(self, token_id: int, logprob: float) -> dict:
-        # A token may hold part of a UTF-8 character: `bytes` is exact, `token` not.
-        raw = self.tokenizer.token_bytes(token_id) or self._text(token_id).encode()
-        return {"token": self._text(token_id), "logprob": _finite(logprob), "bytes": list(raw)}
-
-
-def usage(output: RequestOutput) -> dict:
-    """OpenAI's usage object; `cached_tokens`: prompt tokens the prefix cache served."""
-    total = output.prompt_tokens + output.completion_tokens
-    return {
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": output.completion_tokens,
-        "total_tokens": total,
-        "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
-    }
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB

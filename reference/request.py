@@ -38,6 +38,9 @@ class RequestStepOutput(StepOutput):
     request_id: int = -1
     candidates: list[tuple[int, float]] | None = None
     error: str | None = None
+    # With prompt_logprobs, the request's first token carries the prompt's scores
+    # (`Request.prompt_logprobs`), so that a stream can send them first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class PassOutcome:
     candidates: list[list[tuple[int, float]] | None] = field(default_factory=list)
     drafted: int = 0
     error: str | None = None
+    # Scores of prompt tokens this pass's positions gave (`Request.prompt_positions`).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +102,10 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "error" or "abort"
     error: str | None = None
+    # prompt_logprobs (`Engine.add_request`): alternatives per prompt position (None: the
+    # prompt is not scored) and the scores so far, None first (position 0 has none).
+    prompt_top: int | None = None
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
     def params(self) -> SamplingParams:
@@ -117,6 +126,14 @@ class Request:
         prompt + output (the prompt at first, then the last token; everything
         again after a preemption)."""
         return (self.prompt_ids + self.output_ids)[self.num_cached :]
+
+    def prompt_positions(self) -> range:
+        """Positions whose logits score a prompt token not scored yet: position p scores
+        prompt token p + 1 (empty without prompt_logprobs, or once all are scored).
+        The prefix cache must not serve these positions (`BlockManager.allocate`)."""
+        if self.prompt_top is None:
+            return range(0)
+        return range(len(self.prompt_logprobs) - 1, len(self.prompt_ids) - 1)
 
     def emit(self, token_id: int, logprobs: TokenLogprobs | None, now: float) -> StreamDelta:
         """Append an emitted token: its time, its logprobs, the logits stage's state, and
@@ -225,6 +242,8 @@ class RequestOutput:
     # admission, not a readmission after preemption (OpenAI's
     # `usage.prompt_tokens_details.cached_tokens`).
     cached_tokens: int = 0
+    # prompt_logprobs: per prompt position, None first, then each token's score.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def of(cls, r: Request) -> RequestOutput:
@@ -249,4 +268,5 @@ class RequestOutput:
             tokens_per_target_pass=len(r.output_ids) / r.target_passes if r.target_passes else None,
             preemptions=r.preemptions,
             cached_tokens=r.cached_prompt_tokens or 0,
+            prompt_logprobs=None if r.prompt_top is None else list(r.prompt_logprobs),
         )

@@ -4,6 +4,15 @@
 the model over the paged KV cache; `NaiveModelRunner`, its twin without a
 cache, recomputes every sequence whole. Either hands the logits to the
 sampler (`sampler.py`), which chooses every request's tokens.
+
+Prompt logprobs (`Engine.add_request(prompt_logprobs=k)`): in a pass that
+runs prompt positions a request has not scored yet (`Request.prompt_positions`),
+the runner also projects those positions' hidden states to logits, at most
+`score_rows` rows at a time, and keeps of each row only its record: the raw
+`log_softmax` score of the prompt token that follows, its rank and the top-k
+(`compute_logprobs`, LOGPROB-RAW-1, LOGPROB-RANK-1, LOGPROB-TOP-1), exactly as
+the spec's `forward_naive(weights, prompt)` logits give them. A long prompt's
+`[tokens, vocab]` logits are never held at once.
 """
 
 from __future__ import annotations
@@ -11,7 +20,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from decodespec.spec.forward import ModelWeights, forward_cached, forward_naive
+from decodespec.spec.forward import (
+    ModelWeights,
+    PagedBatch,
+    causal_attention,
+    forward_cached,
+    forward_hidden,
+    forward_naive,
+    project_logits,
+)
+from decodespec.spec.generate import TokenLogprobs
 
 from .backend import Backend
 from .cache import PagedKVCache
@@ -32,14 +50,55 @@ class ModelRunner:
     ) -> list[PassOutcome]:
         """One forward pass over the batch (each request's new tokens and drafts), then
         every request's tokens: sampled, or its drafts verified."""
-        logits = self.forward(batch, [d.tokens for d in drafts])
+        tokens = [d.tokens for d in drafts]
+        positions = [r.prompt_positions() for r in batch]
+        if any(positions):
+            logits, scores = self.forward_scoring(batch, tokens, positions)
+        else:
+            logits, scores = self.forward(batch, tokens), [[] for _ in batch]
         states = [r.logits_state for r in batch]
-        return self.sampler.choose(logits, states, drafts, show_probs)
+        outcomes = self.sampler.choose(logits, states, drafts, show_probs)
+        for outcome, records in zip(outcomes, scores, strict=True):
+            outcome.prompt_logprobs = records
+        return outcomes
 
     def forward(self, batch: list[Request], drafts: list[list[int]]) -> Tensor:
         """Logits after each request's last token and after each of its drafts:
         `[Σ (len(drafts[b]) + 1), vocab]`, request by request."""
         raise NotImplementedError
+
+    def forward_scoring(
+        self, batch: list[Request], drafts: list[list[int]], positions: list[range]
+    ) -> tuple[Tensor, list[list[TokenLogprobs]]]:
+        """`forward`'s logits, and for each request the scores of the prompt tokens
+        after its `positions` (each must run in this pass)."""
+        raise NotImplementedError
+
+    # Prompt positions projected to logits at once: [score_rows, vocab] float32 at most.
+    score_rows = 256
+
+    def score(
+        self, hidden: Tensor, rows: list[int], targets: list[int], top: int
+    ) -> list[TokenLogprobs]:
+        """The raw logprob, rank and top-`top` alternatives of `targets[i]` under the
+        logits of `hidden[rows[i]]`, projected `score_rows` rows at a time."""
+        records: list[TokenLogprobs] = []
+        for i in range(0, len(rows), self.score_rows):
+            logits = project_logits(hidden[rows[i : i + self.score_rows]], self.weights.output)
+            wanted = torch.tensor(targets[i : i + self.score_rows], device=logits.device)
+            lp = self.backend.compute_logprobs(logits, wanted, top)
+            records += [
+                TokenLogprobs(t, value, rank, list(zip(ids, lps, strict=True)))
+                for t, value, rank, ids, lps in zip(
+                    wanted.tolist(),
+                    lp.token_logprobs.tolist(),
+                    lp.ranks.tolist(),
+                    lp.top_token_ids.tolist(),
+                    lp.top_logprobs.tolist(),
+                    strict=True,
+                )
+            ]
+        return records
 
 
 class PagedModelRunner(ModelRunner):
@@ -53,13 +112,7 @@ class PagedModelRunner(ModelRunner):
         self.cache = cache
 
     def forward(self, batch: list[Request], drafts: list[list[int]]) -> Tensor:
-        token_ids, paged = self.cache.paged_batch(
-            [r.blocks for r in batch],
-            [r.num_cached for r in batch],
-            [r.new_tokens() + d for r, d in zip(batch, drafts, strict=True)],
-            [len(d) + 1 for d in drafts],
-            self.weights.device,
-        )
+        token_ids, paged = self._pack(batch, drafts)
         logits = forward_cached(
             self.weights,
             token_ids,
@@ -68,9 +121,61 @@ class PagedModelRunner(ModelRunner):
             attention=self.backend.paged_attention,
             append=self.backend.append_kv,
         )
+        self._advance(batch, paged)
+        return logits
+
+    def forward_scoring(
+        self, batch: list[Request], drafts: list[list[int]], positions: list[range]
+    ) -> tuple[Tensor, list[list[TokenLogprobs]]]:
+        token_ids, paged = self._pack(batch, drafts)
+        hidden = self._hidden(token_ids, paged)
+        # `forward_cached`'s own last line, for the rows that get tokens.
+        logits = project_logits(hidden[paged.logits_indices], self.weights.output)
+        scores = []
+        starts = paged.query_start.tolist()[:-1]
+        for r, start, wanted in zip(batch, starts, positions, strict=True):
+            if wanted and wanted.start < r.num_cached:
+                raise RuntimeError(
+                    f"prompt_logprobs: position {wanted.start} came from the cache, not this pass"
+                )
+            rows = [start + p - r.num_cached for p in wanted]
+            targets = [r.prompt_ids[p + 1] for p in wanted]
+            scores.append(self.score(hidden, rows, targets, r.prompt_top or 0))
+        self._advance(batch, paged)
+        return logits, scores
+
+    def _pack(self, batch: list[Request], drafts: list[list[int]]) -> tuple[Tensor, PagedBatch]:
+        return self.cache.paged_batch(
+            [r.blocks for r in batch],
+            [r.num_cached for r in batch],
+            [r.new_tokens() + d for r, d in zip(batch, drafts, strict=True)],
+            [len(d) + 1 for d in drafts],
+            self.weights.device,
+        )
+
+    def _hidden(self, token_ids: Tensor, paged: PagedBatch) -> Tensor:
+        """`forward_cached` less its projection: the final hidden state of every token."""
+
+        def attend(index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            k_cache, v_cache = self.cache.layers[index]
+            check = index == 0
+            self.backend.append_kv(k, v, k_cache, v_cache, paged.slot_mapping, validate=check)
+            return self.backend.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                paged.block_table,
+                paged.seq_lens,
+                paged.query_start,
+                validate=check,
+            )
+
+        return forward_hidden(self.weights, token_ids, paged.positions, attend)
+
+    @staticmethod
+    def _advance(batch: list[Request], paged: PagedBatch) -> None:
         for r, length in zip(batch, paged.seq_lens.tolist(), strict=True):
             r.num_cached = length
-        return logits
 
 
 class NaiveModelRunner(ModelRunner):
@@ -89,3 +194,22 @@ class NaiveModelRunner(ModelRunner):
                 for r in batch
             ]
         )
+
+    def forward_scoring(
+        self, batch: list[Request], drafts: list[list[int]], positions: list[range]
+    ) -> tuple[Tensor, list[list[TokenLogprobs]]]:
+        device = self.weights.device
+        logits, scores = [], []
+        for r, wanted in zip(batch, positions, strict=True):
+            ids = torch.tensor(r.prompt_ids + r.output_ids, device=device)
+            # `forward_naive`'s own steps, keeping the hidden states of every position.
+            hidden = forward_hidden(
+                self.weights,
+                ids,
+                torch.arange(ids.shape[0], device=device),
+                lambda _, q, k, v: causal_attention(q, k, v),
+            )
+            logits.append(project_logits(hidden[-1:], self.weights.output))
+            targets = [r.prompt_ids[p + 1] for p in wanted]
+            scores.append(self.score(hidden, list(wanted), targets, r.prompt_top or 0))
+        return torch.cat(logits), scores

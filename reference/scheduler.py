@@ -150,6 +150,7 @@ class Scheduler:
         # Positions before the tokens this pass emits hold the keys and values of the
         # request's own tokens; any after them are drafts', which may be rejected.
         self.blocks.register_full_blocks(request, min(request.num_cached, request.length))
+        request.prompt_logprobs += outcome.prompt_logprobs
         request.target_passes += 1
         if outcome.drafted:
             request.record_verification(outcome.drafted, accepted=len(outcome.tokens) - 1)
@@ -158,6 +159,7 @@ class Scheduler:
             for token, logprobs, candidates in zip(
                 outcome.tokens, outcome.logprobs, outcome.candidates, strict=True
             ):
+                first = request.prompt_top is not None and not request.output_ids
                 delta = request.emit(token, logprobs, now)
                 outputs.append(
                     RequestStepOutput(
@@ -167,6 +169,7 @@ class Scheduler:
                         logprobs=logprobs,
                         request_id=request.id,
                         candidates=candidates,
+                        prompt_logprobs=list(request.prompt_logprobs) if first else None,
                     )
                 )
                 if delta.finish_reason is not None:

@@ -39,6 +39,7 @@ from starlette.types import Receive, Scope, Send
 from decodespec.spec.checks import ParameterError
 
 from .block_manager import CacheCapacityError
+from .completions_format import Responder
 from .engine import Engine
 from .engine_loop import EngineLoop, Stream
 from .grammar import GrammarError
@@ -46,7 +47,6 @@ from .openai_api import (
     APIError,
     APIRequest,
     Kind,
-    Responder,
     bad_param,
     cache_refusal,
     parse_request,
@@ -176,8 +176,9 @@ class OpenAIServer:
         if self.loop is None:
             raise APIError(503, "the engine is not running", type="server_error")
         try:
+            top = api.scoring.engine_top(api.params.top_logprobs if api.logprobs else None)
             return await self.loop.submit(
-                api.prompt_ids, api.params, arrival, api.num_draft, api.structured_output
+                api.prompt_ids, api.params, arrival, api.num_draft, api.structured_output, top
             )
         except GrammarError as error:  # compiled by the engine when the request is added
             raise bad_param(error.param, str(error)) from None

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 
 from decodespec.reference import engine as engine_module
+from decodespec.reference.completions_format import usage
 from decodespec.reference.engine import Engine
-from decodespec.reference.openai_api import usage
 from decodespec.reference.request import Timings
 from decodespec.spec.params import SamplingParams
 from tests.engine.toy import ByteTokenizer, random_weights, small_config

@@ -97,7 +97,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "ignore_eos": "no"}, 400, "ignore_eos", None),
     ({"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
     ({"prompt": "hi", "logprobs_mode": "cooked"}, 400, "logprobs_mode", None),
-    ({"prompt": "hi", "echo": True}, 400, "echo", None),
+    ({"prompt": "hi", "echo": "yes"}, 400, "echo", None),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ({"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs", None),
     ({"prompt": "hi", "num_draft": 2}, 400, "num_draft", None),  # no drafter on this server
     ({"prompt": "hi", "num_draft": -1}, 400, "num_draft", None),
     ({"prompt": "hi", "num_draft": "2"}, 400, "num_draft", None),
