@@ -40,54 +40,45 @@ def _quality_by_format(report: dict) -> dict[str, dict]:
     return {row["weights"]: row for row in report["quality"]["formats"]}
 
 
-def formats_table(report: dict) -> str:
-    """One row per format (speed, memory, quality), then llama.cpp's speed."""
-    speed, quality = report["speed"], _quality_by_format(report)
-    base = quality["float32"]["perplexity"] if "float32" in quality else None
-    rows = []
-    for name, row in speed["formats"].items():
-        score = quality.get(name)
-        if score is None:
-            scores = ["–"] * 4
-        else:
-            delta = (
-                "reference"
-                if name == "float32" or base is None
-                else (f"{score['perplexity'] - base:+.3f}")
-            )
-            kl = " / ".join(_kl(score[key]) for key in ("kl_mean", "kl_median", "kl_p99", "kl_max"))
-            scores = [f"{score['perplexity']:.3f}", delta, kl, f"{score['top1_agreement']:.2%}"]
-        rows.append(
-            [
-                f"`{name}`",
-                f"{row['decode_tokens_per_s']:.1f}",
-                f"{row['over_llama_cpp']:.2f}×",
-                f"{row['weight_bytes'] / 1e6:.1f}",
-                *scores,
-                f"{row['greedy_tokens_equal_to_float32']} / {speed['decode_tokens']}",
-            ]
-        )
+def speed_table(report: dict) -> str:
+    """Decode speed and memory, one row per format, then llama.cpp's speed."""
+    speed = report["speed"]
+    rows = [
+        [
+            f"`{name}`",
+            f"{row['decode_tokens_per_s']:.1f}",
+            f"{row['over_llama_cpp']:.2f}×",
+            f"{row['weight_bytes'] / 1e6:.1f}",
+            f"{row['greedy_tokens_equal_to_float32']} / {speed['decode_tokens']}",
+        ]
+        for name, row in speed["formats"].items()
+    ]
     llama = speed["llama_cpp"]
     rows.append(
-        [
-            f"llama.cpp {llama['version']}",
-            f"{llama['decode_tokens_per_s']:.1f}",
-            "1.00×",
-            *["–"] * 6,
-        ]
+        [f"llama.cpp {llama['version']}", f"{llama['decode_tokens_per_s']:.1f}", "1.00×", "–", "–"]
     )
-    header = [
-        "weights",
-        "decode tok/s",
-        "× llama.cpp",
-        "weights MB",
-        "perplexity",
-        "ΔPPL vs float32",
-        "KL mean / median / p99 / max (nats)",
-        "top-1 agreement",
-        "greedy tokens equal to float32",
-    ]
+    header = ["weights", "decode tok/s", "× llama.cpp", "weights MB", "greedy tokens = float32's"]
     return table(header, rows)
+
+
+def quality_table(report: dict) -> str:
+    """Perplexity, its change from float32, KL divergence to float32 and top-1 agreement."""
+    quality = _quality_by_format(report)
+    base = quality["float32"]["perplexity"] if "float32" in quality else None
+    rows = [
+        [
+            f"`{name}`",
+            f"{score['perplexity']:.3f}",
+            "reference"
+            if name == "float32" or base is None
+            else (f"{score['perplexity'] - base:+.3f}"),
+            *(_kl(score[key]) for key in ("kl_mean", "kl_median", "kl_p99", "kl_max")),
+            f"{score['top1_agreement']:.2%}",
+        ]
+        for name, score in quality.items()
+    ]
+    header = ["weights", "perplexity", "ΔPPL vs float32", "KL mean", "KL median", "KL p99"]
+    return table([*header, "KL max", "top-1 agreement"], rows)
 
 
 def targets_with_values(targets: list[dict]) -> str:
@@ -141,10 +132,14 @@ def quant_section(report: dict | None, level: int = 2, link: bool = False) -> st
         + "top-1 agreement: the format ranks first the token float32 ranks first.\n\n"
         + f"![{FIGURE_TITLE}]({QUANT_FIGURE})\n\n"
         + f"{measured_caption(report)}\n\n"
-        + formats_table(report)
+        + f"{hashes}# Speed and memory\n\n"
+        + speed_table(report)
         + "\n\n"
         + "".join(f"- `{name}`: {row['layout']}\n" for name, row in speed["formats"].items())
         + "\n"
+        + f"{hashes}# Quality against float32\n\n"
+        + quality_table(report)
+        + "\n\nKL divergences in nats. "
         + text_scored(report["quality"])
         + f"\n\n{hashes}# Targets\n\n"
         + targets_with_values(report["targets"])

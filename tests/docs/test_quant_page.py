@@ -64,7 +64,7 @@ def test_the_section_names_date_device_threads_torch_and_command(measured):
     assert "`make bench-quant`" in section
 
 
-def test_the_table_has_a_row_per_format_and_llama_cpp(measured):
+def test_the_tables_have_a_row_per_format_and_llama_cpp(measured):
     section = quant_section(measured)
     speed = measured["speed"]
     scores = {row["weights"]: row for row in measured["quality"]["formats"]}
@@ -72,15 +72,19 @@ def test_the_table_has_a_row_per_format_and_llama_cpp(measured):
         row, score = speed["formats"][name], scores[name]
         cells = (
             f"| `{name}` | {row['decode_tokens_per_s']:.1f} | {row['over_llama_cpp']:.2f}× | "
-            f"{row['weight_bytes'] / 1e6:.1f} | {score['perplexity']:.3f} |"
+            f"{row['weight_bytes'] / 1e6:.1f} |"
         )
         assert cells in section, name
-        assert f"{score['top1_agreement']:.2%}" in section
-    delta = scores["int4"]["perplexity"] - scores["float32"]["perplexity"]
-    assert f"| {delta:+.3f} |" in section
-    assert "KL mean / median / p99 / max" in section
+        assert f"| `{name}` | {score['perplexity']:.3f} |" in section, name
+        assert f"{score['top1_agreement']:.2%} |" in section, name
+        assert row["layout"] in section
+    int4 = scores["int4"]
+    delta = int4["perplexity"] - scores["float32"]["perplexity"]
+    kl = " | ".join(f"{int4[key]:.3g}" for key in ("kl_mean", "kl_median", "kl_p99", "kl_max"))
+    assert f"| {delta:+.3f} | {kl} |" in section
     llama = speed["llama_cpp"]
     assert f"| llama.cpp {llama['version']} | {llama['decode_tokens_per_s']:.1f} |" in section
+    assert "## Speed and memory" in section and "## Quality against float32" in section
 
 
 def test_targets_say_met_or_not_with_the_measured_values(measured):
