@@ -8,7 +8,9 @@ date and command of that data file, so pages, figures and captions always
 show the data files they were built with. It fills `peers.md` from
 `results/peers.json` (`make peers`) with `docs.tools.peers`, and the
 `<!-- structured-results -->` marker of `structured.md` from
-`results/structured-cpu.json` (`make bench-structured`).
+`results/structured-cpu.json` (`make bench-structured`), and the
+`<!-- quant-results -->` marker of `quantization.md` from
+`results/quant-cpu.json` (`make bench-quant`) with `docs.tools.quant`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from docs.tools.performance import (  # noqa: E402
     performance_page,
     structured_section,
 )
+from docs.tools.quant import QUANT_FILE, QUANT_MARKER, quant_figures, quant_section  # noqa: E402
 
 PERFORMANCE_PAGE = "performance.md"
 STRUCTURED_MARKER = "<!-- structured-results -->"
@@ -40,7 +43,12 @@ STRUCTURED_MARKER = "<!-- structured-results -->"
 
 def generated_files(config: MkDocsConfig) -> list[File]:
     """The performance page and the figures, as files MkDocs builds like any other."""
-    contents = {PERFORMANCE_PAGE: performance_page(), **all_figures(), **performance_figures()}
+    contents = {
+        PERFORMANCE_PAGE: performance_page(),
+        **all_figures(),
+        **performance_figures(),
+        **quant_figures(),
+    }
     return [File.generated(config, path, content=content) for path, content in contents.items()]
 
 
@@ -77,10 +85,13 @@ def peers_page(markdown: str) -> str:
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
     """Fill the `<!-- measured: NAME -->` captions under the figures, the peers page and
-    the structured-outputs page's results."""
+    the structured-outputs and weight-formats pages' results."""
     if page.file.src_uri == "peers.md":
         markdown = peers_page(markdown)
     if page.file.src_uri == "structured.md":
         report = read_json(RESULTS_DIR / STRUCTURED_FILE)
         markdown = markdown.replace(STRUCTURED_MARKER, structured_section(report, link=False))
+    if page.file.src_uri == "quantization.md":
+        report = read_json(RESULTS_DIR / QUANT_FILE)
+        markdown = markdown.replace(QUANT_MARKER, quant_section(report, level=3))
     return fill_captions(markdown)

@@ -577,12 +577,15 @@ def sampling_section(report: dict | None) -> str:
 
 def performance_page(results_dir: Path = RESULTS_DIR) -> str:
     """The Markdown of `performance.md` from the results files present."""
+    from docs.tools.quant import QUANT_FILE, quant_section  # quant imports this module
+
     sections = [
         cpu_section(read_json(results_dir / CPU_FILE)),
         speculative_section(read_json(results_dir / SPECULATIVE_FILE)),
         serve_section(read_json(results_dir / SERVE_FILE)),
         prefix_section(read_json(results_dir / PREFIX_FILE)),
         structured_section(read_json(results_dir / STRUCTURED_FILE)),
+        quant_section(read_json(results_dir / QUANT_FILE), link=True),
         attention_section(read_json(results_dir / ATTENTION_FILE)),
         sampling_section(read_json(results_dir / SAMPLING_FILE)),
     ]
