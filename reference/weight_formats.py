@@ -49,8 +49,8 @@ FOUR_BIT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 ACTIVATION_DTYPE = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
-    "int8": torch.bfloat16,
-    "int4": torch.bfloat16,
+    "int8": torch.float32,
+    "int4": torch.float32,
 }
 
 
