@@ -24,6 +24,7 @@ The conformance suite proves it computes the spec:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -73,27 +74,117 @@ def paged_attention(
         lens, starts = check_attention_args(
             q, k_cache, v_cache, block_table, seq_lens, query_start, scale
         )
-    else:
-        lens, starts = seq_lens.tolist(), query_start.tolist()
     num_tokens, num_q_heads, head_dim = q.shape
+    layout = (block_table, seq_lens, query_start, k_cache.shape[1], num_q_heads, k_cache.shape[2])
+    plans = None if validate else _PLANS.get(layout)
+    if plans is None:
+        if not validate:
+            lens, starts = seq_lens.tolist(), query_start.tolist()
+        plans = _PLANS.build(layout, lens, starts, num_tokens)
     acc = compute_dtype(q.dtype)
+    attention = _GroupAttention(
+        q, k_cache, v_cache, 1.0 / math.sqrt(head_dim) if scale is None else scale
+    )
+    if len(plans) == 1 and plans[0].every_row and not return_lse:
+        return attention(plans[0], False)[0].to(q.dtype)  # one group, rows in order
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=acc, device=q.device)
     lse = torch.full(
         (num_tokens, num_q_heads) if return_lse else (0,), -math.inf, dtype=acc, device=q.device
     )
-    attention = _GroupAttention(
-        q, k_cache, v_cache, block_table, 1.0 / math.sqrt(head_dim) if scale is None else scale
-    )
-    for q_len, sequences in _groups(lens, starts):
-        for chunk in _chunks(sequences, lens, q_len * num_q_heads):
-            rows, group_out, group_lse = attention(
-                chunk, [lens[b] for b in chunk], starts, q_len, return_lse
-            )
-            out[rows] = group_out
-            if return_lse:
-                lse[rows] = group_lse
+    for plan in plans:
+        group_out, group_lse = attention(plan, return_lse)
+        out[plan.rows] = group_out
+        if return_lse:
+            lse[plan.rows] = group_lse
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
+
+
+@dataclass
+class _Plan:
+    """What one padded group gathers: the same for every layer of a forward pass."""
+
+    batch: int
+    longest: int
+    q_len: int
+    rows: Tensor  # [batch · q_len] packed query rows, in the group's order
+    every_row: bool  # rows are 0 … num_tokens − 1 in order
+    slots: Tensor  # [batch · longest] cache slots of the keys (padding reads slot 0)
+    is_key: Tensor | None  # [batch, longest], when lengths differ
+    visible: Tensor | None  # [batch, 1, group · q_len, longest], where masking is needed
+
+
+class _PlanCache:
+    """The plans of the last batch layout. A forward pass validates at its first layer
+    (which builds the plans) and not at the others, which reuse them while they are
+    called with the same layout tensors (the very objects: they are kept alive here,
+    so an identity match is never a recycled id)."""
+
+    def __init__(self) -> None:
+        self.layout: tuple | None = None
+        self.plans: list[_Plan] = []
+
+    def get(self, layout: tuple) -> list[_Plan] | None:
+        if self.layout is None or len(layout) != len(self.layout):
+            return None
+        same = all(
+            a is b if isinstance(a, Tensor) else a == b
+            for a, b in zip(layout, self.layout, strict=True)
+        )
+        return self.plans if same else None
+
+    def build(
+        self, layout: tuple, lens: list[int], starts: list[int], num_tokens: int
+    ) -> list[_Plan]:
+        block_table, _, _, block_size, num_q_heads, kv_heads = layout
+        plans = [
+            _plan(block_table, block_size, num_q_heads // kv_heads, chunk, lens, starts, q_len)
+            for q_len, sequences in _groups(lens, starts)
+            for chunk in _chunks(sequences, lens, q_len * num_q_heads)
+        ]
+        for plan in plans:
+            plan.every_row = plan.rows.numel() == num_tokens and bool(
+                (plan.rows == torch.arange(num_tokens, device=plan.rows.device)).all()
+            )
+        self.layout, self.plans = layout, plans
+        return plans
+
+
+_PLANS = _PlanCache()
+
+
+def _plan(
+    block_table: Tensor,
+    block_size: int,
+    group: int,
+    sequences: list[int],
+    lens: list[int],
+    starts: list[int],
+    q_len: int,
+) -> _Plan:
+    device = block_table.device
+    seq_lens = torch.tensor([lens[b] for b in sequences], device=device)
+    batch, longest = len(sequences), int(seq_lens.max())
+    padded = int(seq_lens.min()) < longest  # padding needs the masks below
+    position = torch.arange(longest, device=device)
+    blocks = block_table[sequences][:, position // block_size].to(torch.int64)
+    is_key = None
+    if padded:  # the table entries past a sequence may hold anything (ATTN-BOUNDS-1)
+        is_key = position[None, :] < seq_lens[:, None]  # [batch, longest]
+        blocks = blocks.masked_fill(~is_key, 0)
+    slots = (blocks * block_size + position % block_size).flatten()
+    rows = (
+        torch.tensor([starts[b] for b in sequences], device=device)[:, None]
+        + torch.arange(q_len, device=device)
+    ).flatten()
+    visible = None
+    if q_len > 1 or padded:  # a lone row of an unpadded sequence sees every key
+        # ATTN-CAUSAL-1: row r sits at seq_len − q_len + r; padded keys lie past every row.
+        row_position = seq_lens[:, None] - q_len + torch.arange(q_len, device=device)
+        seen = position[None, None, :] <= row_position[:, :, None]  # [batch, q_len, longest]
+        seen = seen[:, None].expand(batch, group, q_len, longest)
+        visible = seen.reshape(batch, 1, group * q_len, longest)
+    return _Plan(batch, longest, q_len, rows, False, slots, is_key, visible)
 
 
 def _groups(lens: list[int], starts: list[int]) -> list[tuple[int, list[int]]]:
@@ -124,70 +215,46 @@ def _chunks(sequences: list[int], lens: list[int], scores_per_key: int) -> list[
 
 
 class _GroupAttention:
-    """Attention of sequences that have the same number of query rows, padded to the longest."""
+    """Attention of the groups of a plan: same number of query rows, padded to the longest."""
 
-    def __init__(
-        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, scale: float
-    ) -> None:
-        num_blocks, self.block_size, self.num_kv_heads, head_dim = k_cache.shape
+    def __init__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> None:
+        num_blocks, block_size, self.num_kv_heads, head_dim = k_cache.shape
         self.q = q
-        self.flat_k = k_cache.view(num_blocks * self.block_size, self.num_kv_heads, head_dim)
-        self.flat_v = v_cache.view(num_blocks * self.block_size, self.num_kv_heads, head_dim)
-        self.block_table = block_table
+        self.flat_k = k_cache.view(num_blocks * block_size, self.num_kv_heads, head_dim)
+        self.flat_v = v_cache.view(num_blocks * block_size, self.num_kv_heads, head_dim)
         self.scale = scale
         self.acc = compute_dtype(q.dtype)
 
-    def __call__(
-        self, sequences: list[int], lens: list[int], starts: list[int], q_len: int, with_lse: bool
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """`(rows, out, lse)`: the packed rows of `sequences` and their results
-        (lse None unless `with_lse`)."""
-        device = self.q.device
-        batch, longest = len(sequences), max(lens)
+    def __call__(self, plan: _Plan, with_lse: bool) -> tuple[Tensor, Tensor | None]:
+        """`(out, lse)` of the plan's rows (lse None unless `with_lse`)."""
+        batch, longest, q_len = plan.batch, plan.longest, plan.q_len
         _, num_q_heads, head_dim = self.q.shape
         kv_heads, group = self.num_kv_heads, num_q_heads // self.num_kv_heads
-        # Padding only when the lengths differ; then it needs the masks below.
-        padded = min(lens) < longest
-        seq_lens = torch.tensor(lens, device=device)
 
         # Keys and values [batch, kv_heads, longest, head_dim]; padding reads slot 0 and is zeroed.
-        position = torch.arange(longest, device=device)
-        blocks = self.block_table[sequences][:, position // self.block_size].to(torch.int64)
-        if padded:  # the table entries past a sequence may hold anything (ATTN-BOUNDS-1)
-            is_key = position[None, :] < seq_lens[:, None]  # [batch, longest]
-            blocks = blocks.masked_fill(~is_key, 0)
-        slots = (blocks * self.block_size + position % self.block_size).flatten()
         keys, values = (
-            cache.index_select(0, slots).view(batch, longest, kv_heads, head_dim).to(self.acc)
+            cache.index_select(0, plan.slots).view(batch, longest, kv_heads, head_dim).to(self.acc)
             for cache in (self.flat_k, self.flat_v)
         )
-        if padded:  # NaN · 0 is NaN: a padded value must be 0, not merely unweighted
-            keys, values = (t.masked_fill(~is_key[:, :, None, None], 0) for t in (keys, values))
+        if plan.is_key is not None:  # NaN · 0 is NaN: a padded value must be 0, not unweighted
+            keys, values = (
+                t.masked_fill(~plan.is_key[:, :, None, None], 0) for t in (keys, values)
+            )
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
 
         # Queries [batch, kv_heads, group · q_len, head_dim]; query head h = kv · group + g.
-        rows = (
-            torch.tensor([starts[b] for b in sequences], device=device)[:, None]
-            + torch.arange(q_len, device=device)
-        ).flatten()
-        queries = self.q.index_select(0, rows).to(self.acc)
+        queries = (self.q if plan.every_row else self.q.index_select(0, plan.rows)).to(self.acc)
         queries = queries.view(batch, q_len, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         queries = queries.reshape(batch, kv_heads, group * q_len, head_dim)
 
         scores = self.scale * (queries @ keys.transpose(2, 3))
-        if q_len > 1 or padded:  # a lone row of an unpadded sequence sees every key
-            # ATTN-CAUSAL-1: row r sits at seq_len − q_len + r; padded keys lie past every row.
-            row_position = seq_lens[:, None] - q_len + torch.arange(q_len, device=device)
-            visible = position[None, None, :] <= row_position[:, :, None]  # [batch, q_len, longest]
-            visible = visible[:, None].expand(batch, group, q_len, longest)
-            scores = scores.masked_fill(
-                ~visible.reshape(batch, 1, group * q_len, longest), -math.inf
-            )
+        if plan.visible is not None:
+            scores = scores.masked_fill(~plan.visible, -math.inf)
 
         out = scores.softmax(dim=-1) @ values  # every row sees position 0: no empty softmax
         out = out.view(batch, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(batch * q_len, num_q_heads, head_dim)
         if not with_lse:
-            return rows, out, None
+            return out, None
         lse = torch.logsumexp(scores, dim=-1).view(batch, kv_heads, group, q_len)  # ATTN-LSE-1
-        return rows, out, lse.permute(0, 3, 1, 2).reshape(batch * q_len, num_q_heads)
+        return out, lse.permute(0, 3, 1, 2).reshape(batch * q_len, num_q_heads)

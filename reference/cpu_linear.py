@@ -23,10 +23,13 @@ scales, zeros and inputs, within QUANT-TOL-1's bfloat16 tolerance
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import fields, replace
+
 import torch
 from torch import Tensor
 
-from decodespec.spec.forward import ModelWeights
+from decodespec.spec.forward import LayerWeights, ModelWeights
 from decodespec.spec.quant import QuantizedWeight, unpack_codes
 
 from .weight_formats import map_quantized
@@ -37,17 +40,30 @@ ROW_PACK = 16  # the int4 kernel's rows per packed tile
 INT8_COLUMNS = 16  # the int8 kernel's columns per step
 
 
+def check_layout(weight: QuantizedWeight) -> None:
+    """ValueError unless a CPU kernel takes `weight`'s layout."""
+    columns = weight.shape[1]
+    if weight.bits == 4 and weight.group_size not in INT4_GROUP_SIZES:
+        raise ValueError(
+            f"the CPU int4 kernel takes groups of {INT4_GROUP_SIZES}, got {weight.group_size}"
+        )
+    if weight.bits == 8 and (weight.group_size != columns or bool(weight.offsets.any())):
+        raise ValueError(
+            "the CPU int8 kernel takes 8-bit weights with one scale per row and zero offsets"
+        )
+    if weight.bits == 8 and columns % INT8_COLUMNS:
+        raise ValueError(
+            f"the CPU int8 kernel needs in_features a multiple of {INT8_COLUMNS}, got {columns}"
+        )
+
+
 class CpuInt4Linear:
     """An int4 group-quantized projection packed for `_weight_int4pack_mm_for_cpu`."""
 
     bits = 4
 
     def __init__(self, weight: QuantizedWeight) -> None:
-        if weight.bits != 4 or weight.group_size not in INT4_GROUP_SIZES:
-            raise ValueError(
-                f"the CPU int4 kernel takes 4-bit groups of {INT4_GROUP_SIZES}, got "
-                f"bits={weight.bits} group_size={weight.group_size}"
-            )
+        check_layout(weight)
         rows, columns = weight.shape
         padded = -(-rows // ROW_PACK) * ROW_PACK
         codes = unpack_codes(weight.qweight, 4)
@@ -89,15 +105,8 @@ class CpuInt8Linear:
     bits = 8
 
     def __init__(self, weight: QuantizedWeight) -> None:
+        check_layout(weight)
         rows, columns = weight.shape
-        if weight.bits != 8 or weight.group_size != columns or bool(weight.offsets.any()):
-            raise ValueError(
-                "the CPU int8 kernel takes 8-bit weights with one scale per row and zero offsets"
-            )
-        if columns % INT8_COLUMNS:
-            raise ValueError(
-                f"the CPU int8 kernel needs in_features a multiple of {INT8_COLUMNS}, got {columns}"
-            )
         self.shape = (rows, columns)
         self.group_size = columns
         self.qweight = weight.qweight.contiguous()
@@ -122,17 +131,87 @@ class CpuInt8Linear:
         return self
 
 
+class SharedInput:
+    """Sibling projections of one input (a layer's Q, K and V; its gate and up) packed as
+    one matrix, so that one kernel call computes all of them.
+
+    The decoder multiplies the same tensor by each sibling in turn
+    (`decoder_layer`): the first call computes the stacked product and keeps it
+    with the input it was computed for; a sibling called with that very tensor
+    object reads its columns, any other input is computed afresh. The input is
+    held, so a match is never a recycled id.
+    """
+
+    def __init__(self, weights: list[QuantizedWeight]) -> None:
+        first = weights[0]
+        stacked = QuantizedWeight(
+            torch.cat([w.qweight for w in weights]),
+            torch.cat([w.scales for w in weights]),
+            torch.cat([w.offsets for w in weights]),
+            first.group_size,
+            first.bits,
+        )
+        self.kernel = pack(stacked)
+        self.input: Tensor | None = None
+        self.output: Tensor | None = None
+        bounds = [0]
+        for w in weights:
+            bounds.append(bounds[-1] + w.shape[0])
+        self.members = [SharedInputMember(self, a, b) for a, b in itertools.pairwise(bounds)]
+
+    def product(self, x: Tensor) -> Tensor:
+        if x is not self.input:
+            self.output = self.kernel.linear(x)
+            self.input = x
+        return self.output
+
+
+class SharedInputMember:
+    """One projection of a `SharedInput`: its rows `start:stop` of the stacked matrix."""
+
+    def __init__(self, shared: SharedInput, start: int, stop: int) -> None:
+        self.shared, self.start, self.stop = shared, start, stop
+        kernel = shared.kernel
+        self.shape = (stop - start, kernel.shape[1])
+        self.bits, self.group_size = kernel.bits, kernel.group_size
+        self.nbytes = kernel.nbytes * (stop - start) // kernel.shape[0]
+
+    def linear(self, x: Tensor) -> Tensor:
+        return self.shared.product(x)[:, self.start : self.stop]
+
+    def dequantize(self) -> Tensor:
+        return self.shared.kernel.dequantize()[self.start : self.stop]
+
+    def to(self, device: torch.device | str) -> SharedInputMember:
+        self.shared.kernel.to(device)  # the CPU kernels' check
+        return self
+
+
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 def pack(weight: QuantizedWeight) -> CpuInt4Linear | CpuInt8Linear:
     """`weight` on the CPU kernel for its bits (ValueError if the kernel cannot take it)."""
     return CpuInt4Linear(weight) if weight.bits == 4 else CpuInt8Linear(weight)
 
 
 def pack_for_cpu(model: ModelWeights) -> ModelWeights:
-    """`model` with every quantized projection on a CPU kernel (dense tensors shared).
+    """`model` with every quantized projection on a CPU kernel (dense tensors shared);
+    siblings of one input of the same layout share a kernel call (`SharedInput`).
 
     Raises:
         ValueError: a quantized projection no CPU kernel takes (int4 groups
             other than 32/64/128/256, int8 with groups or offsets, int8 with
             `in_features` not a multiple of 16), naming the projection.
     """
-    return map_quantized(model, pack)
+    map_quantized(model, check_layout)  # every projection's own error, naming it
+    layers = []
+    for layer in model.layers:
+        values = {f.name: getattr(layer, f.name) for f in fields(layer)}
+        for names in SIBLINGS:
+            group = [values[name] for name in names]
+            layouts = {(w.bits, w.group_size) for w in group if isinstance(w, QuantizedWeight)}
+            if all(isinstance(w, QuantizedWeight) for w in group) and len(layouts) == 1:
+                values.update(zip(names, SharedInput(group).members, strict=True))
+        layers.append(LayerWeights(**values))
+    return map_quantized(replace(model, layers=layers), pack)

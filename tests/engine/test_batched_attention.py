@@ -122,3 +122,53 @@ def test_serve_defaults_to_it_and_generate_to_the_spec():
     assert parser.parse_args(["serve"]).backend == "torch"
     assert parser.parse_args(["generate", "hi"]).backend == "spec"
     assert parser.parse_args(["generate", "hi", "--backend", "torch"]).backend == "torch"
+
+
+def test_layers_reuse_the_first_layers_plan_and_a_new_batch_gets_its_own():
+    """forward_cached validates (and plans) at layer 0 only: later layers reuse the plan
+    for the same layout tensors; the next pass, with another layout, plans again. Each
+    pass's logits are the spec attention's."""
+    from decodespec.spec.forward import PagedBatch, forward_cached
+
+    model = random_weights(small_config(num_layers=3), seed=4)
+    config = model.config
+    shape = (8, 4, config.num_kv_heads, config.head_dim)
+    caches = {
+        name: [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
+        for name in ("spec", "torch")
+    }
+    passes = [  # (tokens per sequence, KV length per sequence): prefill then mixed decode
+        ([5, 3], [5, 3]),
+        ([1, 1], [6, 4]),
+        ([1, 2], [7, 6]),
+    ]
+    g = torch.Generator().manual_seed(0)
+    for q_lens, seq_lens in passes:
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        positions = torch.cat(
+            [torch.arange(s - n, s) for n, s in zip(q_lens, seq_lens, strict=True)]
+        )
+        table = torch.tensor([[0, 1, -1], [2, 3, -1]])
+        slots = torch.cat(
+            [
+                table[b, p // 4] * 4 + p % 4
+                for b, (n, s) in enumerate(zip(q_lens, seq_lens, strict=True))
+                for p in [torch.arange(s - n, s)]
+            ]
+        )
+        batch = PagedBatch(
+            positions=positions,
+            query_start=torch.tensor(starts),
+            seq_lens=torch.tensor(seq_lens),
+            block_table=table,
+            slot_mapping=slots,
+            logits_indices=torch.tensor(starts[1:]) - 1,
+        )
+        ids = torch.randint(0, config.vocab_size, (starts[-1],), generator=g)
+        spec = forward_cached(model, ids, batch, caches["spec"])
+        ours = forward_cached(
+            model, ids, batch, caches["torch"], attention=batched_attention.paged_attention
+        )
+        assert torch.allclose(ours, spec, rtol=1e-5, atol=1e-5), (q_lens, seq_lens)
