@@ -108,6 +108,7 @@ TORCH_BACKEND = replace(
     SPEC_BACKEND,
     name="torch",
     paged_attention=batched_attention.paged_attention,
+    append_kv=batched_attention.append_kv,
     prepare_weights=prepare_for_torch,
 )
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from decodespec.spec import append
 from decodespec.spec.attention import check_attention_args
 from decodespec.spec.softmax import compute_dtype
 
@@ -185,6 +186,38 @@ def _plan(
         seen = seen[:, None].expand(batch, group, q_len, longest)
         visible = seen.reshape(batch, 1, group * q_len, longest)
     return _Plan(batch, longest, q_len, rows, False, slots, is_key, visible)
+
+
+def append_kv(
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    *,
+    validate: bool = True,
+) -> None:
+    """`decodespec.spec.append.append_kv` (same signature, clauses and errors), with
+    the kept slots of a pass found once: at the call that validates (a forward
+    pass's first layer), reused by the unvalidated calls with the same
+    `slot_mapping` object (the later layers), as the attention's plans are.
+    """
+    if validate:
+        append._check_append_args(key, value, k_cache, v_cache, slot_mapping)  # the spec's own
+    if validate or _SLOTS[0] is not slot_mapping:
+        kept = slot_mapping >= 0  # APPEND-SKIP-1
+        every = bool(kept.all())
+        _SLOTS[:] = [slot_mapping, None if every else kept, slot_mapping[kept].to(torch.int64)]
+    _, kept, slots = _SLOTS
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    for cache, rows in ((k_cache, key), (v_cache, value)):  # APPEND-SLOT-1
+        flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        flat.index_copy_(0, slots, (rows if kept is None else rows[kept]).to(cache.dtype))
+
+
+# The slot mapping of the last validated `append_kv` (held: an identity match is never a
+# recycled id), its kept mask (None: every token kept) and its kept slots.
+_SLOTS: list = [None, None, None]
 
 
 def _groups(lens: list[int], starts: list[int]) -> list[tuple[int, list[int]]]:

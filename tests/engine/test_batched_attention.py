@@ -27,13 +27,12 @@ ATTENTION_TESTS = "tests/conformance/test_attention.py"
 
 
 def test_the_conformance_suite_passes_it():
-    """Every attention conformance test runs against it and passes; only the
-    operations it does not provide (append_kv) are skipped."""
+    """Every attention and append conformance test runs against it and passes, none
+    skipped (it provides both operations)."""
     run = run_suite(ATTENTION_TESTS, "--impl=decodespec.reference.batched_attention")
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "missing operations (skipped): " in run.stdout
     skips = re.findall(r"SKIPPED \[\d+\] .*", run.stdout)
-    assert skips and all("does not provide operation append_kv" in s for s in skips), skips
+    assert not skips, skips
     passed = int(re.search(r"(\d+) passed", run.stdout).group(1))
     assert passed >= 50, run.stdout[-2000:]
 
@@ -90,8 +89,9 @@ def test_chunks_respect_the_score_budget(monkeypatch):
 def test_the_torch_backend_is_the_spec_with_batched_attention():
     backend = get_backend("torch")
     assert backend.paged_attention is batched_attention.paged_attention
+    assert backend.append_kv is batched_attention.append_kv
     for op in STAGE_OPERATIONS:
-        if op != "paged_attention":
+        if op not in ("paged_attention", "append_kv"):
             assert getattr(backend, op) is getattr(SPEC_BACKEND, op), op
     assert backend.kernel_ops == ()
 
