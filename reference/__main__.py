@@ -4,8 +4,7 @@ Ctrl-C at any moment (while Python imports torch, while the model loads,
 while tokens stream) ends the command with exit status 130 and one line on
 stderr, never a traceback. The handler goes in before anything else of the
 command is imported: this module imports only `os`, `signal` and `sys` (not
-even `typing`), and `cli` (torch, the spec, the engine) comes after, once
-OpenMP's wait policy is set (see `main`).
+even `typing`), and `cli` (torch, the spec, the engine) comes after.
 
 The process ends in the handler, at once: raising KeyboardInterrupt instead
 would unwind through half-imported modules and half-built state, any of which
@@ -42,11 +41,6 @@ def _interrupted(signum: int, frame: object) -> None:
 def main() -> None:
     """The console script's entry point."""
     signal.signal(signal.SIGINT, _interrupted)
-    # OpenMP threads that wait passively (read when torch loads its OpenMP runtime): PyTorch's
-    # CPU int4/int8 kernels and MKL's matmuls run on two thread pools, and threads spinning
-    # in one starve the other. Measured on 2 cores, a decode step in int4 ran 2.5x faster
-    # with passive waiting when the machine was busy (tests/benchmarks/quant.py sets it too).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from .cli import main as run_command
 
     sys.exit(run_command())

@@ -21,11 +21,6 @@ works, not a measurement.
 
 from __future__ import annotations
 
-import os
-
-# Before torch loads OpenMP: what the `decodespec` command sets (reference/__main__.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import json
 import sys
