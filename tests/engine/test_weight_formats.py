@@ -31,6 +31,7 @@ from decodespec.spec.forward import forward_naive
 from decodespec.spec.quant import QuantizedWeight, quantize_weight, quantized_linear
 from decodespec.spec.registry import RELATIVE
 from tests.engine import test_engine_vs_spec
+from tests.engine import test_structured_outputs as structured
 from tests.engine.test_engine_vs_spec import run_workload, workloads
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
@@ -341,3 +342,32 @@ def test_int4_keeps_the_gguf_files_own_4_bit_blocks(bundled_int4_and_float32):
     assert "int4: 210 kept from Q4_1 blocks, 1 quantized at load from Q8_0" in messages[-1]
     output_error = relative_error(int4.output.dequantize(), float32.output.double())
     assert 0 < output_error < 0.15  # requantized from Q8_0 to 4 bits: close, not equal
+
+
+@pytest.mark.clause("LOOP-GRAMMAR-1", "FWD-QUANT-1")
+@settings(max_examples=6)
+@given(data=st.data(), fmt=st.sampled_from(FORMATS), backend=st.sampled_from(("spec", "torch")))
+def test_constrained_requests_in_each_format_are_each_the_spec_loop(data, fmt, backend):
+    """Structured outputs: every token of a constrained request in the grammar, and the
+    spec loop with the same matcher, in each format."""
+
+    workload = data.draw(structured.constrained_workloads(max_requests=3))
+    engine = Engine(
+        model(data.draw(st.integers(0, 50)), fmt), structured.TOKENIZER, backend=backend
+    )
+    ids, events = structured.run(engine, workload)
+    with mock.patch.object(test_engine_vs_spec, "NEAR_TIE", BF16_NEAR_TIE):
+        structured.check(engine, engine.weights, workload, ids, events)
+
+
+@pytest.mark.clause("LOOP-SAMPLE-1", "QUANT-LINEAR-1")
+@settings(max_examples=3)
+@given(workload=workloads(max_requests=2), fmt=st.sampled_from(("int8", "int4")))
+def test_the_triton_backend_runs_each_quantized_format_as_the_spec_loop(workload, fmt):
+    """Its projections on `kernels.quantized_linear` (the Triton interpreter without a
+    GPU: one layer, few tokens)."""
+    pytest.importorskip("triton")
+    weights = model(3, fmt, num_layers=1)
+    engine = Engine(weights, ByteTokenizer(), backend="triton", block_size=4, cache_tokens=64)
+    assert type(engine.weights.layers[0].q_proj).__name__ == "KernelLinear"
+    check_all(engine, *run_workload(engine, workload))
