@@ -14,9 +14,9 @@ object that has the same `shape`, `bits`, `group_size`, `linear`,
   time and returns garbage (or crashes) otherwise, so `in_features` must be
   a multiple of 16 (checked here, and at load by `weight_formats`).
 
-Both kernels are fast only for bfloat16 activations (float32 inputs take a
-slow path, 25× slower at batch 1): `linear` casts other dtypes to bfloat16
-and back. Their results differ from the definition by bfloat16 rounding of
+Both kernels are fast only for bfloat16 inputs (float32 inputs take a slow
+path, 25× slower at batch 1): `linear` casts the float32 activations to
+bfloat16 and the result back. Their results differ from the definition by bfloat16 rounding of
 scales, zeros and inputs, within QUANT-TOL-1's bfloat16 tolerance
 (tests/engine/test_weight_formats.py checks it).
 """

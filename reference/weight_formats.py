@@ -9,18 +9,20 @@ blocks dequantized); `convert_weights` turns them into the requested format:
 - `int8`: every projection (the seven of each layer and the output
   projection) int8 with one scale per output channel (QUANT-ROUND-1 with
   `group_size = in_features`: the layout PyTorch's CPU int8 kernel runs);
-  activations bfloat16.
+  activations float32.
 - `int4`: every projection int4 in groups of 32. A GGUF tensor stored in
   4-bit blocks (Q4_0, Q4_1, Q4_K) keeps its own codes, scales and offsets
   exactly (GGUF-GROUPS-1); any other tensor is quantized at load
-  (QUANT-ROUND-1), and the load summary says which. Activations bfloat16.
+  (QUANT-ROUND-1), and the load summary says which. Activations float32.
 
 The embedding stays a dense table in the activation dtype (a lookup reads one
 row per token). In the quantized formats a tied output projection becomes a
-quantized copy of the embedding. Activations are bfloat16 there because
-PyTorch's CPU weight-only kernels are fast only for bfloat16 inputs
-(measured at batch 1 on the bundled model's 211 projections, 2 threads:
-int4 5.4 ms per token with bfloat16 activations, 130 ms with float32).
+quantized copy of the embedding. Their activations (the residual stream,
+norms, attention, the KV cache) stay float32, as llama.cpp keeps them beside
+quantized weights; only the CPU kernels' inputs are rounded to bfloat16
+(`cpu_linear`), because PyTorch's CPU weight-only kernels are fast only for
+bfloat16 inputs (measured at batch 1 on the bundled model's 211 projections,
+2 threads: int4 5.4 ms per token with bfloat16 inputs, 130 ms with float32).
 
 Which kernel multiplies a quantized projection is the backend's choice
 (`backend.Backend.prepare_weights`): the spec backend computes the definition,

@@ -36,8 +36,9 @@ from tests.engine.test_engine_vs_spec import run_workload, workloads
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
 BF16_RTOL = RELATIVE.rtol[torch.bfloat16]  # QUANT-TOL-1
-# The formats run bfloat16 activations, whose batch variance (a row computed in a
-# batch of 1 or of 4 takes another kernel path) is of order 2^-8 of a logit:
+# The CPU kernels take bfloat16 inputs (and bfloat16 models compute in it), whose batch
+# variance (a row computed in a batch of 1 or of 4 takes another kernel path) is of
+# order 2^-8 of a logit:
 # near ties are decided as in test_engine_vs_spec, at this scale.
 BF16_NEAR_TIE = 0.1
 
