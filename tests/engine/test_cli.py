@@ -995,3 +995,35 @@ def test_json_object_and_json_schema_answers_are_json(model, tmp_path):
     plain = json.loads(run_cli(model, "generate", PARIS, *sampled).out)
     with pytest.raises(json.JSONDecodeError):
         json.loads(plain["text"])
+
+
+# ---------------------------------------------------------------- --weights
+
+
+def test_weights_int4_runs_on_the_cpu_kernels_and_says_what_it_holds(model):
+    run = run_cli(model, "generate", QUESTION, "--weights", "int4", "--backend", "torch",
+                  "--max-tokens", "8", "--ignore-eos")  # fmt: skip
+    assert run.code == 0, run.err
+    assert "weights: projections int4 g32 ×211; activations float32" in run.err
+    assert len(run.out.strip()) > 0 and "Traceback" not in run.err
+
+
+def test_a_model_the_format_cannot_hold_exits_2_naming_the_tensor(model, tmp_path):
+    """A checkpoint whose projections are not whole groups of 32: refused before any
+    generation, the tensor and the format named."""
+    from tests.engine.checkpoints import hf_model, save_hf
+
+    directory = save_hf(hf_model("llama", hidden_size=48), tmp_path)  # weights first: no tokenizer
+    run = run_cli(model, "generate", "hi", "--model", str(directory), "--weights", "int4")
+    assert_usage_error(
+        run,
+        r"tensor model\.layers\.0\.self_attn\.q_proj\.weight \[\d+, 48\] cannot be int4: "
+        r"in_features 48 is not a multiple of 32",
+    )
+
+
+def test_an_unknown_weight_format_exits_2_listing_the_choices(model, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "hi", "--weights", "int3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'int3'" in err and "int4" in err
