@@ -10,10 +10,15 @@ blocks dequantized); `convert_weights` turns them into the requested format:
   projection) int8 with one scale per output channel (QUANT-ROUND-1 with
   `group_size = in_features`: the layout PyTorch's CPU int8 kernel runs);
   activations float32.
-- `int4`: every projection int4 in groups of 32. A GGUF tensor stored in
-  4-bit blocks (Q4_0, Q4_1, Q4_K) keeps its own codes, scales and offsets
-  exactly (GGUF-GROUPS-1); any other tensor is quantized at load
-  (QUANT-ROUND-1), and the load summary says which. Activations float32.
+- `int4`: the seven projections of each layer int4 in groups of 32. A GGUF
+  tensor stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) keeps its own codes,
+  scales and offsets exactly (GGUF-GROUPS-1); any other tensor is quantized
+  at load (QUANT-ROUND-1), and the load summary says which. The output
+  projection is int8 per channel, as llama.cpp's 4-bit files keep it at 6
+  or 8 bits (the bundled Q4_1 file's is Q8_0): measured on the bundled model
+  (3,072 tokens of the perplexity text), an int4 output projection made the
+  mean KL divergence to float32 0.053 and top-1 agreement 86%, an int8 one
+  0.003 and 97%. Activations float32.
 
 The embedding stays a dense table in the activation dtype (a lookup reads one
 row per token). In the quantized formats a tied output projection becomes a
@@ -108,26 +113,27 @@ def convert_weights(
     blocks = gguf_blocks or {}
     names = spelling or {}
     origin: dict[str, int] = {}
+    bits = 8 if weights == "int8" else 4
 
-    def quantize(name: str, weight: Tensor) -> QuantizedWeight:
+    def quantize(name: str, weight: Tensor, bits: int) -> QuantizedWeight:
         spelled = names.get(name, name)
         rows, columns = weight.shape
         # int8: PyTorch's CPU kernel reads 16 columns at a time; int4: whole groups.
-        multiple = 16 if weights == "int8" else GROUP_SIZE
+        multiple = 16 if bits == 8 else GROUP_SIZE
         if columns % multiple:
             raise ValueError(
                 f"{source}: tensor {spelled} [{rows}, {columns}] cannot be {weights}: "
                 f"in_features {columns} is not a multiple of {multiple}"
             )
         raw = blocks.get(name)
-        if weights == "int4" and raw is not None and raw.type_name in FOUR_BIT_GGUF_TYPES:
+        if bits == 4 and raw is not None and raw.type_name in FOUR_BIT_GGUF_TYPES:
             key = f"kept from {raw.type_name} blocks"
             origin[key] = origin.get(key, 0) + 1
             return gguf_groups(raw.data, raw.type_name, raw.columns)
         kind = (gguf_types or {}).get(name) or str(weight.dtype).removeprefix("torch.")
-        key = f"quantized at load from {kind}"
+        key = f"quantized at load from {kind}" + (" to int8 per channel" if bits == 8 else "")
         origin[key] = origin.get(key, 0) + 1
-        if weights == "int8":
+        if bits == 8:
             return quantize_weight(weight, bits=8, group_size=columns)  # per channel
         return quantize_weight(weight, bits=4, group_size=GROUP_SIZE)
 
@@ -137,12 +143,12 @@ def convert_weights(
         for field in fields(layer):
             value = getattr(layer, field.name)
             if field.name in PROJECTIONS:
-                values[field.name] = quantize(layer_tensor_name(index, field.name), value)
+                values[field.name] = quantize(layer_tensor_name(index, field.name), value, bits)
             else:
                 values[field.name] = None if value is None else value.to(dtype)
         layers.append(LayerWeights(**values))
     tied = model.output is model.embedding
-    output = quantize(EMBEDDING if tied else OUTPUT, model.output)
+    output = quantize(EMBEDDING if tied else OUTPUT, model.output, 8)
     summary = ", ".join(f"{count} {how}" for how, count in origin.items())
     report(
         f"{weights}: {summary}" + (" (the output projection tied to the embedding)" if tied else "")

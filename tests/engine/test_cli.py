@@ -1004,7 +1004,7 @@ def test_weights_int4_runs_on_the_cpu_kernels_and_says_what_it_holds(model):
     run = run_cli(model, "generate", QUESTION, "--weights", "int4", "--backend", "torch",
                   "--max-tokens", "8", "--ignore-eos")  # fmt: skip
     assert run.code == 0, run.err
-    assert "weights: projections int4 g32 ×211; activations float32" in run.err
+    assert "weights: projections int4 g32 ×210, int8 ×1; activations float32" in run.err
     assert len(run.out.strip()) > 0 and "Traceback" not in run.err
 
 

@@ -205,8 +205,10 @@ def test_each_format_holds_what_it_says():
             assert all(p.dtype == getattr(torch, fmt) for p in projections)
             assert converted.output is converted.embedding  # still tied, one tensor
         else:
-            bits = int(fmt[3:])
-            assert all(isinstance(p, QuantizedWeight) and p.bits == bits for p in projections)
+            layer, output = projections
+            assert isinstance(layer, QuantizedWeight) and layer.bits == int(fmt[3:])
+            assert isinstance(output, QuantizedWeight) and output.bits == 8  # per channel
+            assert output.group_size == output.shape[1]
             assert converted.dtype == torch.float32  # activations (weight_formats)
         assert fmt.split("int")[-1] in describe(converted)
     assert sizes["float32"] > sizes["bfloat16"] > sizes["int8"] > sizes["int4"]
@@ -340,9 +342,13 @@ def test_int4_keeps_the_gguf_files_own_4_bit_blocks(bundled_int4_and_float32):
             weight = getattr(ours, name)
             assert isinstance(weight, QuantizedWeight) and weight.group_size == 32
             assert torch.equal(weight.dequantize(), getattr(theirs, name)), name
-    assert "int4: 210 kept from Q4_1 blocks, 1 quantized at load from Q8_0" in messages[-1]
+    assert (
+        "int4: 210 kept from Q4_1 blocks, 1 quantized at load from Q8_0 to int8 per channel"
+        in messages[-1]
+    )
+    assert int4.output.bits == 8 and int4.output.group_size == 576
     output_error = relative_error(int4.output.dequantize(), float32.output.double())
-    assert 0 < output_error < 0.15  # requantized from Q8_0 to 4 bits: close, not equal
+    assert 0 < output_error < 0.02  # requantized from Q8_0 per channel: close, not equal
 
 
 @pytest.mark.clause("LOOP-GRAMMAR-1", "FWD-QUANT-1")
