@@ -141,16 +141,17 @@ def score_formats(
     for number, window in enumerate(chunks, start=1):
         progress(f"window {number}/{len(chunks)}")
         targets = torch.tensor(window[len(window) // 2 :])
-        reference = None
+        reference = probabilities = top = None
         for name in order:
             start = time.perf_counter()
             log_probs = scored_log_probs(models[name], window)
             seconds[name] += time.perf_counter() - start
             if reference is None:
-                reference = log_probs
+                reference, probabilities = log_probs, log_probs.exp()
+                top = log_probs.argmax(dim=-1)
             nll[name].append(-log_probs.gather(1, targets[:, None])[:, 0])
-            kl[name].append((reference.exp() * (reference - log_probs)).sum(dim=-1).clamp_min(0))
-            same_top[name].append(log_probs.argmax(dim=-1) == reference.argmax(dim=-1))
+            kl[name].append((probabilities * (reference - log_probs)).sum(dim=-1).clamp_min(0))
+            same_top[name].append(log_probs.argmax(dim=-1) == top)
     scores = []
     for name in order:
         losses, divergences = torch.cat(nll[name]), torch.cat(kl[name])
