@@ -888,7 +888,7 @@ def test_closed_stdout_ends_quietly(model):
         contextlib.redirect_stdout(ClosedPipe()),
         contextlib.redirect_stderr(err),
     ):
-        patch.setattr(cli, "load_model_with_progress", lambda path: model)
+        patch.setattr(cli, "load_model_with_progress", lambda path, weights=None: model)
         code = cli.main(["generate", QUESTION, "--max-tokens", "4"])
     assert code != 0
     assert "Traceback" not in err.getvalue()
