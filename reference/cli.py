@@ -35,7 +35,7 @@ from .grammar import StructuredOutput
 from .model_files import bundled_model_path
 from .request import RequestOutput
 from .tokenizer import Tokenizer
-from .weight_formats import WEIGHT_FORMATS, describe
+from .weight_formats import WEIGHT_FORMATS, LoadSummary, describe
 
 # ---------------------------------------------------------------- loading
 
@@ -50,7 +50,7 @@ def load_model_with_progress(
     live = sys.stderr.isatty()  # redraw one status line on a terminal, else stay quiet
 
     def report(message: str) -> None:
-        if weights is not None and message.startswith(f"{weights}: "):
+        if isinstance(message, LoadSummary):
             print(f"\r\033[K{message}" if live else message, file=sys.stderr, flush=True)
         elif live:
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)

@@ -23,10 +23,10 @@ from torch import Tensor
 from decodespec.spec.forward import (
     ModelWeights,
     PagedBatch,
-    causal_attention,
+    cached_hidden_states,
     forward_cached,
-    forward_hidden,
     forward_naive,
+    naive_hidden_states,
     project_logits,
 )
 from decodespec.spec.generate import TokenLogprobs
@@ -128,7 +128,14 @@ class PagedModelRunner(ModelRunner):
         self, batch: list[Request], drafts: list[list[int]], positions: list[range]
     ) -> tuple[Tensor, list[list[TokenLogprobs]]]:
         token_ids, paged = self._pack(batch, drafts)
-        hidden = self._hidden(token_ids, paged)
+        hidden = cached_hidden_states(
+            self.weights,
+            token_ids,
+            paged,
+            self.cache.layers,
+            attention=self.backend.paged_attention,
+            append=self.backend.append_kv,
+        )
         # `forward_cached`'s own last line, for the rows that get tokens.
         logits = project_logits(hidden[paged.logits_indices], self.weights.output)
         scores = []
@@ -152,25 +159,6 @@ class PagedModelRunner(ModelRunner):
             [len(d) + 1 for d in drafts],
             self.weights.device,
         )
-
-    def _hidden(self, token_ids: Tensor, paged: PagedBatch) -> Tensor:
-        """`forward_cached` less its projection: the final hidden state of every token."""
-
-        def attend(index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            k_cache, v_cache = self.cache.layers[index]
-            check = index == 0
-            self.backend.append_kv(k, v, k_cache, v_cache, paged.slot_mapping, validate=check)
-            return self.backend.paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                paged.block_table,
-                paged.seq_lens,
-                paged.query_start,
-                validate=check,
-            )
-
-        return forward_hidden(self.weights, token_ids, paged.positions, attend)
 
     @staticmethod
     def _advance(batch: list[Request], paged: PagedBatch) -> None:
@@ -202,13 +190,7 @@ class NaiveModelRunner(ModelRunner):
         logits, scores = [], []
         for r, wanted in zip(batch, positions, strict=True):
             ids = torch.tensor(r.prompt_ids + r.output_ids, device=device)
-            # `forward_naive`'s own steps, keeping the hidden states of every position.
-            hidden = forward_hidden(
-                self.weights,
-                ids,
-                torch.arange(ids.shape[0], device=device),
-                lambda _, q, k, v: causal_attention(q, k, v),
-            )
+            hidden = naive_hidden_states(self.weights, ids)  # every position's
             logits.append(project_logits(hidden[-1:], self.weights.output))
             targets = [r.prompt_ids[p + 1] for p in wanted]
             scores.append(self.score(hidden, list(wanted), targets, r.prompt_top or 0))

@@ -61,6 +61,12 @@ ACTIVATION_DTYPE = {
 }
 
 
+class LoadSummary(str):
+    """A progress message that stays: what a weight format kept and what it quantized.
+    Progress callbacks take it as any message; one that redraws a status line keeps
+    this one (`cli.load_model_with_progress`): nothing is requantized unsaid."""
+
+
 @dataclass(frozen=True)
 class GGUFBlocks:
     """A GGUF tensor's raw blocks: `data` uint8 `[rows, row_bytes]`, its type, its columns."""
@@ -99,7 +105,7 @@ def convert_weights(
         gguf_types: each GGUF tensor's type by Hugging Face name, for the summary.
         spelling: the file's own name of each Hugging Face name, for messages.
         source: the checkpoint, for messages.
-        report: called once with a summary of what was kept and what quantized.
+        report: called once with a `LoadSummary` of what was kept and what quantized.
 
     Raises:
         ValueError: an unknown format, or a projection whose shape the format
@@ -150,9 +156,8 @@ def convert_weights(
     tied = model.output is model.embedding
     output = quantize(EMBEDDING if tied else OUTPUT, model.output, 8)
     summary = ", ".join(f"{count} {how}" for how, count in origin.items())
-    report(
-        f"{weights}: {summary}" + (" (the output projection tied to the embedding)" if tied else "")
-    )
+    tied_note = " (the output projection tied to the embedding)" if tied else ""
+    report(LoadSummary(f"{weights}: {summary}{tied_note}"))
     return ModelWeights(
         model.config, model.embedding.to(dtype), layers, model.final_norm.to(dtype), output
     )

@@ -315,11 +315,16 @@ def forward_naive(weights: ModelWeights, token_ids: Tensor, *, last_only: bool =
         for float64 weights): row t is the distribution of the token after
         position t.
     """
+    hidden = naive_hidden_states(weights, token_ids)
+    return project_logits(hidden[-1:] if last_only else hidden, weights.output)
+
+
+def naive_hidden_states(weights: ModelWeights, token_ids: Tensor) -> Tensor:
+    """`forward_naive` before the projection: `[tokens, hidden]` final-normed states."""
     positions = torch.arange(token_ids.shape[0], device=token_ids.device)
-    hidden = forward_hidden(
+    return forward_hidden(
         weights, token_ids, positions, lambda _, q, k, v: causal_attention(q, k, v)
     )
-    return project_logits(hidden[-1:] if last_only else hidden, weights.output)
 
 
 @dataclass
@@ -342,6 +347,38 @@ class PagedBatch:
     block_table: Tensor
     slot_mapping: Tensor
     logits_indices: Tensor
+
+
+def cached_hidden_states(
+    weights: ModelWeights,
+    token_ids: Tensor,
+    batch: PagedBatch,
+    kv_cache: list[tuple[Tensor, Tensor]],
+    *,
+    attention: Callable[..., Tensor] = paged_attention,
+    append: Callable[..., None] = append_kv,
+) -> Tensor:
+    """`forward_cached` before the projection: `[tokens, hidden]` final-normed states
+    of every packed token, its K/V appended to the cache (arguments as there)."""
+    if len(kv_cache) != len(weights.layers):
+        raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {len(weights.layers)}")
+
+    def attend(index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k_cache, v_cache = kv_cache[index]
+        # Every layer shares the batch layout and cache shape: check them at the first.
+        check = index == 0
+        append(k, v, k_cache, v_cache, batch.slot_mapping, validate=check)
+        return attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start,
+            validate=check,
+        )
+
+    return forward_hidden(weights, token_ids, batch.positions, attend)
 
 
 def forward_cached(
@@ -370,23 +407,7 @@ def forward_cached(
     Returns:
         `[len(batch.logits_indices), vocab]` float32 logits (FWD-CACHE-1).
     """
-    if len(kv_cache) != len(weights.layers):
-        raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {len(weights.layers)}")
-
-    def attend(index: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        k_cache, v_cache = kv_cache[index]
-        # Every layer shares the batch layout and cache shape: check them at the first.
-        check = index == 0
-        append(k, v, k_cache, v_cache, batch.slot_mapping, validate=check)
-        return attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start,
-            validate=check,
-        )
-
-    hidden = forward_hidden(weights, token_ids, batch.positions, attend)
+    hidden = cached_hidden_states(
+        weights, token_ids, batch, kv_cache, attention=attention, append=append
+    )
     return project_logits(hidden[batch.logits_indices], weights.output)

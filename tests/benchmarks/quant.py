@@ -22,6 +22,7 @@ works, not a measurement.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
@@ -37,6 +38,7 @@ from decodespec.reference.perplexity import DEFAULT_TEXT, default_text, format_t
 from decodespec.reference.weight_formats import WEIGHT_FORMATS, describe, weight_bytes
 from decodespec.spec.params import SamplingParams
 from tests.benchmarks.test_cpu_engine import cpu_report_header
+from tests.peers.llama_cpp_loop import llama_greedy, open_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "results" / "quant-cpu.json"
@@ -76,28 +78,9 @@ def ours_decode(engine: Engine, ids: list[int], tokens: int) -> tuple[float, lis
 
 
 def llama_cpp_decode(llm, ids: list[int], tokens: int) -> tuple[float, list[int]]:
-    llm.reset()
-    times, out = [], []
-    for token in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
-        times.append(time.perf_counter())
-        out.append(int(token))
-        if len(out) == tokens:
-            break
+    """llama.cpp's decode tokens/s after the first token, and the tokens (greedy)."""
+    out, times = llama_greedy(llm, ids, tokens)
     return (len(times) - 1) / (times[-1] - times[0]), out
-
-
-def open_llama_cpp(path: Path, threads: int):
-    import llama_cpp
-
-    return llama_cpp.Llama(
-        model_path=str(path),
-        n_ctx=512,
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        seed=0,
-        verbose=False,
-    ), llama_cpp.__version__
 
 
 def measure_speed(path: Path, threads: int, tokens: int, rounds: int) -> dict:
@@ -108,7 +91,7 @@ def measure_speed(path: Path, threads: int, tokens: int, rounds: int) -> dict:
         for name, weights in models.items()
     }
     del models
-    llm, version = open_llama_cpp(path, threads)
+    llm, version = open_llama(path, threads), importlib.metadata.version("llama-cpp-python")
     ids = prompt_ids(tokenizer)
     best: dict[str, float] = {}
     outputs: dict[str, list[int]] = {}

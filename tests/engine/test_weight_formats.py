@@ -23,6 +23,7 @@ from decodespec.reference import cpu_linear
 from decodespec.reference.engine import Engine
 from decodespec.reference.weight_formats import (
     WEIGHT_FORMATS,
+    LoadSummary,
     convert_weights,
     describe,
     weight_bytes,
@@ -210,7 +211,10 @@ def test_each_format_holds_what_it_says():
             assert isinstance(output, QuantizedWeight) and output.bits == 8  # per channel
             assert output.group_size == output.shape[1]
             assert converted.dtype == torch.float32  # activations (weight_formats)
-        assert fmt.split("int")[-1] in describe(converted)
+        # 2 layers of 7 projections, and the output projection
+        kinds = {"int8": "int8 ×15", "int4": "int4 g32 ×14, int8 ×1"}
+        layout = describe(converted)
+        assert f"projections {kinds.get(fmt, f'{fmt} ×15')};" in layout, layout
     assert sizes["float32"] > sizes["bfloat16"] > sizes["int8"] > sizes["int4"]
 
 
@@ -327,7 +331,7 @@ def bundled_int4_and_float32():
 
     messages = []
     models, _ = load_formats(bundled_model_path(), ["int4", "float32"], progress=messages.append)
-    summary = [m for m in messages if m.startswith("int4: ")]
+    summary = [m for m in messages if isinstance(m, LoadSummary)]
     return models["int4"], models["float32"], summary
 
 

@@ -41,6 +41,7 @@ import importlib.metadata
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
@@ -63,6 +64,19 @@ PROMPTS = [
 ]
 
 
+def open_llama(path: Path, threads: int) -> llama_cpp.Llama:
+    """llama.cpp on a GGUF file: a 512-token context, `threads` for decode and prefill."""
+    return llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=512,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        seed=0,
+        verbose=False,
+    )
+
+
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -75,7 +89,7 @@ def _rate(times: list[float]) -> tuple[int, float]:
     return len(times) - 1, (times[-1] - times[0]) if len(times) > 1 else 0.0
 
 
-def _llama_greedy(llm: llama_cpp.Llama, ids: list[int], max_tokens: int) -> tuple[list, list]:
+def llama_greedy(llm: llama_cpp.Llama, ids: list[int], max_tokens: int) -> tuple[list, list]:
     llm.reset()
     tokens: list[int] = []
     times: list[float] = []
@@ -126,15 +140,7 @@ def compare_loop(prompts: list[str] | None = None, max_tokens: int = 32) -> dict
     threads = torch.get_num_threads()
     started = time.perf_counter()
 
-    llm = llama_cpp.Llama(
-        model_path=str(path),
-        n_ctx=512,
-        n_batch=512,
-        n_threads=threads,
-        n_threads_batch=threads,
-        seed=0,
-        verbose=False,
-    )
+    llm = open_llama(path, threads)
     weights, tokenizer = loader.load_model(path)
     # show_probs=2: each event carries our two most likely tokens (raw distribution for a
     # greedy row), to show how close the call was where the generations part.
@@ -146,7 +152,7 @@ def compare_loop(prompts: list[str] | None = None, max_tokens: int = 32) -> dict
     for text in prompts:
         theirs = [int(t) for t in llm.tokenize(text.encode(), add_bos=False, special=True)]
         ours = tokenizer.encode(text, add_special_tokens=False)
-        llama_tokens, llama_times = _llama_greedy(llm, ours, max_tokens)
+        llama_tokens, llama_times = llama_greedy(llm, ours, max_tokens)
         our_tokens, our_times, top2 = _our_greedy(engine, ours, max_tokens)
         for name, times in (("llama_cpp", llama_times), ("ours", our_times)):
             n, seconds = _rate(times)
