@@ -36,6 +36,8 @@ tutorials' matmul (03-matrix-multiplication) is the GEMM's skeleton.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -267,7 +269,14 @@ def _programs_wanted(device: torch.device) -> int:
     so that small test shapes split K too)."""
     if device.type != "cuda":
         return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 4 * _multiprocessors(index)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    """The SM count of CUDA device `index`, asked once (every decode step calls this)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _splits(tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:

@@ -10,7 +10,6 @@ vLLM's `prompt_logprobs` is a field of the choice (`scoring_api.py`).
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 
@@ -18,13 +17,9 @@ from decodespec.spec.generate import TokenLogprobs
 
 from .openai_api import APIRequest
 from .request import RequestOutput, RequestStepOutput
-from .scoring_api import legacy_prompt_logprobs
+from .scoring_api import finite, legacy_prompt_logprobs
 from .scoring_api import vllm_prompt_logprobs as vllm_prompt
 from .tokenizer import Tokenizer
-
-# JSON has no -inf: a token the filters removed ("processed" logprobs) is
-# reported at this logprob, as vLLM does.
-MIN_LOGPROB = -9999.0
 
 
 class Responder:
@@ -172,8 +167,8 @@ class Responder:
         legacy: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for step in steps:
             legacy["tokens"].append(self._legacy_token(step.token_id))
-            legacy["token_logprobs"].append(_finite(step.logprob))
-            top = {self._legacy_token(t): _finite(lp) for t, lp in step.top}
+            legacy["token_logprobs"].append(finite(step.logprob))
+            top = {self._legacy_token(t): finite(lp) for t, lp in step.top}
             legacy["top_logprobs"].append(top)
             legacy["text_offset"].append(self.text_offset)
             self.text_offset += len(self._text(step.token_id))
@@ -198,7 +193,7 @@ class Responder:
     def _token(self, token_id: int, logprob: float) -> dict:
         # A token may hold part of a UTF-8 character: `bytes` is exact, `token` not.
         raw = self.tokenizer.token_bytes(token_id) or self._text(token_id).encode()
-        return {"token": self._text(token_id), "logprob": _finite(logprob), "bytes": list(raw)}
+        return {"token": self._text(token_id), "logprob": finite(logprob), "bytes": list(raw)}
 
 
 def usage(output: RequestOutput, request: APIRequest | None = None) -> dict:
@@ -213,10 +208,6 @@ def usage(output: RequestOutput, request: APIRequest | None = None) -> dict:
         "total_tokens": total,
         "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
     }
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
 def _finish_reason(output: RequestOutput, request: APIRequest) -> str | None:

@@ -32,7 +32,8 @@ from decodespec.spec.params import MAX_TOP_LOGPROBS
 from .tokenizer import Tokenizer
 
 FIELDS = {"completion": ("echo", "prompt_logprobs"), "chat": ("prompt_logprobs",)}
-# JSON has no -inf (the same floor as the generated tokens' logprobs).
+# JSON has no -inf: a token the filters removed ("processed" logprobs), or one the
+# model gives probability 0, is reported at this logprob, as vLLM does.
 MIN_LOGPROB = -9999.0
 
 
@@ -148,4 +149,5 @@ def vllm_prompt_logprobs(
 
 
 def finite(logprob: float) -> float:
+    """A logprob JSON can carry (−inf becomes MIN_LOGPROB)."""
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
