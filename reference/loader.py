@@ -153,8 +153,12 @@ def load_model(
         model = load_gguf(path, dtype=dtype, weights=weights, progress=progress, file=file)
         return model, Tokenizer.from_gguf(file)
     model = load_weights(path, dtype=dtype, weights=weights, progress=progress)
-    directory = path if path.is_dir() else path.parent
-    return model, Tokenizer.from_file(directory)
+    return model, _directory_tokenizer(path)
+
+
+def _directory_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer beside a Hugging Face checkpoint (`path`: its directory or a file in it)."""
+    return Tokenizer.from_file(path if path.is_dir() else path.parent)
 
 
 def load_formats(
@@ -165,7 +169,7 @@ def load_formats(
     path = Path(path)
     if not (path.is_file() and looks_like_gguf(path)):
         models = {name: load_weights(path, weights=name, progress=progress) for name in formats}
-        return models, Tokenizer.from_file(path if path.is_dir() else path.parent)
+        return models, _directory_tokenizer(path)
     file = open_gguf(path)
     models = {name: load_gguf(path, weights=name, progress=progress, file=file) for name in formats}
     return models, Tokenizer.from_gguf(file)

@@ -382,3 +382,21 @@ def test_the_triton_backend_runs_each_quantized_format_as_the_spec_loop(workload
     engine = Engine(weights, ByteTokenizer(), backend="triton", block_size=4, cache_tokens=64)
     assert type(engine.weights.layers[0].q_proj).__name__ == "KernelLinear"
     check_all(engine, *run_workload(engine, workload))
+
+
+def test_a_hugging_face_directory_loads_in_each_format(tmp_path, monkeypatch):
+    """`load_formats` on a safetensors checkpoint: each format from the same float32
+    tensors (its int4 quantized at load), the tokenizer read once beside them."""
+    from decodespec.reference import loader
+    from tests.engine.checkpoints import hf_model, save_hf
+
+    directory = save_hf(hf_model("llama"), tmp_path)
+    monkeypatch.setattr(loader.Tokenizer, "from_file", lambda where: ("tokenizer of", where))
+    models, tokenizer = loader.load_formats(directory, ["float32", "int8", "int4"])
+    assert tokenizer == ("tokenizer of", directory)
+    float32 = loader.load_weights(directory)
+    assert torch.equal(models["float32"].layers[0].q_proj, float32.layers[0].q_proj)
+    for fmt, bits in (("int8", 8), ("int4", 4)):
+        q_proj = models[fmt].layers[0].q_proj
+        assert isinstance(q_proj, QuantizedWeight) and q_proj.bits == bits
+        assert relative_error(q_proj.dequantize(), float32.layers[0].q_proj.double()) < 0.2
