@@ -81,7 +81,7 @@ def paged_attention(
     if plans is None:
         if not validate:
             lens, starts = seq_lens.tolist(), query_start.tolist()
-        plans = _PLANS.build(layout, lens, starts, num_tokens)
+        plans = _PLANS.put(layout, _plans(layout, lens, starts, num_tokens))
     acc = compute_dtype(q.dtype)
     attention = _GroupAttention(
         q, k_cache, v_cache, 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -115,43 +115,47 @@ class _Plan:
     visible: Tensor | None  # [batch, 1, group · q_len, longest], where masking is needed
 
 
-class _PlanCache:
-    """The plans of the last batch layout. A forward pass validates at its first layer
-    (which builds the plans) and not at the others, which reuse them while they are
-    called with the same layout tensors (the very objects: they are kept alive here,
-    so an identity match is never a recycled id)."""
+class _PassCache:
+    """What was derived from the last batch layout. A forward pass validates at its
+    first layer, which derives it, and not at the others, which reuse it while they
+    are called with the same layout (tensors: the very objects, kept alive here so an
+    identity match is never a recycled id; numbers: equal)."""
 
     def __init__(self) -> None:
         self.layout: tuple | None = None
-        self.plans: list[_Plan] = []
+        self.value: object = None
 
-    def get(self, layout: tuple) -> list[_Plan] | None:
+    def get(self, layout: tuple) -> object:
         if self.layout is None or len(layout) != len(self.layout):
             return None
         same = all(
             a is b if isinstance(a, Tensor) else a == b
             for a, b in zip(layout, self.layout, strict=True)
         )
-        return self.plans if same else None
+        return self.value if same else None
 
-    def build(
-        self, layout: tuple, lens: list[int], starts: list[int], num_tokens: int
-    ) -> list[_Plan]:
-        block_table, _, _, block_size, num_q_heads, kv_heads = layout
-        plans = [
-            _plan(block_table, block_size, num_q_heads // kv_heads, chunk, lens, starts, q_len)
-            for q_len, sequences in _groups(lens, starts)
-            for chunk in _chunks(sequences, lens, q_len * num_q_heads)
-        ]
-        for plan in plans:
-            plan.every_row = plan.rows.numel() == num_tokens and bool(
-                (plan.rows == torch.arange(num_tokens, device=plan.rows.device)).all()
-            )
-        self.layout, self.plans = layout, plans
-        return plans
+    def put(self, layout: tuple, value: object) -> object:
+        self.layout, self.value = layout, value
+        return value
 
 
-_PLANS = _PlanCache()
+def _plans(layout: tuple, lens: list[int], starts: list[int], num_tokens: int) -> list[_Plan]:
+    """The plan of every padded group of a batch (`paged_attention`'s layout tuple)."""
+    block_table, _, _, block_size, num_q_heads, kv_heads = layout
+    plans = [
+        _plan(block_table, block_size, num_q_heads // kv_heads, chunk, lens, starts, q_len)
+        for q_len, sequences in _groups(lens, starts)
+        for chunk in _chunks(sequences, lens, q_len * num_q_heads)
+    ]
+    for plan in plans:
+        plan.every_row = plan.rows.numel() == num_tokens and bool(
+            (plan.rows == torch.arange(num_tokens, device=plan.rows.device)).all()
+        )
+    return plans
+
+
+_PLANS = _PassCache()  # paged_attention's plans
+_SLOTS = _PassCache()  # append_kv's (kept mask or None when every token is kept, slots)
 
 
 def _plan(
@@ -204,20 +208,16 @@ def append_kv(
     """
     if validate:
         append._check_append_args(key, value, k_cache, v_cache, slot_mapping)  # the spec's own
-    if validate or _SLOTS[0] is not slot_mapping:
+    found = None if validate else _SLOTS.get((slot_mapping,))
+    if found is None:
         kept = slot_mapping >= 0  # APPEND-SKIP-1
         every = bool(kept.all())
-        _SLOTS[:] = [slot_mapping, None if every else kept, slot_mapping[kept].to(torch.int64)]
-    _, kept, slots = _SLOTS
+        found = _SLOTS.put((slot_mapping,), (None if every else kept, slot_mapping[kept].long()))
+    kept, slots = found
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for cache, rows in ((k_cache, key), (v_cache, value)):  # APPEND-SLOT-1
         flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
         flat.index_copy_(0, slots, (rows if kept is None else rows[kept]).to(cache.dtype))
-
-
-# The slot mapping of the last validated `append_kv` (held: an identity match is never a
-# recycled id), its kept mask (None: every token kept) and its kept slots.
-_SLOTS: list = [None, None, None]
 
 
 def _groups(lens: list[int], starts: list[int]) -> list[tuple[int, list[int]]]:

@@ -37,6 +37,7 @@ CPU kernels (`cpu_linear`).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 
@@ -217,9 +218,7 @@ def weight_bytes(model: ModelWeights) -> int:
         if value is None or id(value) in seen:
             return
         seen.add(id(value))
-        total += (
-            value.nbytes if not isinstance(value, Tensor) else value.numel() * value.element_size()
-        )
+        total += value.nbytes  # a tensor's, or a quantized projection's codes and scales
 
     for layer in model.layers:
         for field in fields(layer):
@@ -230,12 +229,10 @@ def weight_bytes(model: ModelWeights) -> int:
 
 
 def describe(model: ModelWeights) -> str:
-    """One line: the projections' formats and the memory, e.g. `int4 g32 ×211, 101.2 MB`."""
-    kinds: dict[str, int] = {}
-    for layer in model.layers:
-        for name in PROJECTIONS:
-            kinds[_kind(getattr(layer, name))] = kinds.get(_kind(getattr(layer, name)), 0) + 1
-    kinds[_kind(model.output)] = kinds.get(_kind(model.output), 0) + 1
+    """One line: the projections' formats, the activations and the memory, e.g.
+    `projections int4 g32 ×210, int8 ×1; activations float32; weights 208.2 MB`."""
+    projections = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+    kinds = Counter(_kind(weight) for weight in [*projections, model.output])
     parts = ", ".join(f"{kind} ×{count}" for kind, count in kinds.items())
     return (
         f"projections {parts}; activations {str(model.dtype).removeprefix('torch.')}; "
