@@ -7,7 +7,8 @@ one for all; a backend is the table of functions it calls:
 - `spec`: the spec's functions, the definition itself;
 - `torch`: the spec's functions, but attention batched across sequences
   (`batched_attention`) and quantized projections on PyTorch's CPU kernels
-  (`cpu_linear`): the fast choice on a CPU, and `serve`'s default;
+  (`cpu_linear`), their decode steps in C between the kernels
+  (`native_step`): the fast choice on a CPU, and `serve`'s default;
 - `triton`: the kernels (the Triton interpreter without a GPU), quantized
   projections included (`KernelLinear`).
 """
@@ -27,7 +28,7 @@ from decodespec.spec.forward import ModelWeights
 from decodespec.spec.quant import QuantizedWeight
 from decodespec.spec.sampling import InvalidLogitsError
 
-from . import batched_attention, cpu_linear
+from . import batched_attention, cpu_linear, native_step
 from .weight_formats import map_quantized
 
 BACKENDS = ("spec", "torch", "triton")
@@ -50,6 +51,9 @@ class Backend:
     `kernel_ops` names the stages that run as Triton kernels; the others run
     the spec's PyTorch. `invalid_logits_error` is the class `sample` raises
     for invalid rows (SAMPLE-VALID-2: each implementation has its own).
+    `native_step(weights)` gives a whole forward pass's replacement for short
+    passes of prepared `weights` (`native_step.NativeStep`), or None: then
+    every pass runs the spec's decoder with this table's stages.
     """
 
     name: str
@@ -62,6 +66,7 @@ class Backend:
     invalid_logits_error: type[ValueError] = InvalidLogitsError
     kernel_ops: tuple[str, ...] = ()
     prepare_weights: Callable[[ModelWeights], ModelWeights] = lambda weights: weights
+    native_step: Callable[[ModelWeights], native_step.NativeStep | None] = lambda weights: None
 
 
 class KernelLinear:
@@ -110,6 +115,7 @@ TORCH_BACKEND = replace(
     paged_attention=batched_attention.paged_attention,
     append_kv=batched_attention.append_kv,
     prepare_weights=prepare_for_torch,
+    native_step=native_step.native_step,
 )
 
 

@@ -24,7 +24,6 @@ from decodespec.spec.forward import (
     ModelWeights,
     PagedBatch,
     cached_hidden_states,
-    forward_cached,
     forward_naive,
     naive_hidden_states,
     project_logits,
@@ -110,10 +109,14 @@ class PagedModelRunner(ModelRunner):
     ) -> None:
         super().__init__(weights, backend, sampler)
         self.cache = cache
+        self.native = backend.native_step(weights)
 
-    def forward(self, batch: list[Request], drafts: list[list[int]]) -> Tensor:
-        token_ids, paged = self._pack(batch, drafts)
-        logits = forward_cached(
+    def hidden_states(self, token_ids: Tensor, paged: PagedBatch) -> Tensor:
+        """`cached_hidden_states` of the packed tokens: the backend's native step for
+        the passes it takes, the spec's decoder with the backend's stages otherwise."""
+        if self.native is not None and token_ids.shape[0] <= self.native.max_tokens:
+            return self.native(token_ids, paged, self.cache.layers)
+        return cached_hidden_states(
             self.weights,
             token_ids,
             paged,
@@ -121,6 +124,12 @@ class PagedModelRunner(ModelRunner):
             attention=self.backend.paged_attention,
             append=self.backend.append_kv,
         )
+
+    def forward(self, batch: list[Request], drafts: list[list[int]]) -> Tensor:
+        token_ids, paged = self._pack(batch, drafts)
+        # `forward_cached`, with the hidden states of `hidden_states`.
+        hidden = self.hidden_states(token_ids, paged)
+        logits = project_logits(hidden[paged.logits_indices], self.weights.output)
         self._advance(batch, paged)
         return logits
 
@@ -128,15 +137,7 @@ class PagedModelRunner(ModelRunner):
         self, batch: list[Request], drafts: list[list[int]], positions: list[range]
     ) -> tuple[Tensor, list[list[TokenLogprobs]]]:
         token_ids, paged = self._pack(batch, drafts)
-        hidden = cached_hidden_states(
-            self.weights,
-            token_ids,
-            paged,
-            self.cache.layers,
-            attention=self.backend.paged_attention,
-            append=self.backend.append_kv,
-        )
-        # `forward_cached`'s own last line, for the rows that get tokens.
+        hidden = self.hidden_states(token_ids, paged)
         logits = project_logits(hidden[paged.logits_indices], self.weights.output)
         scores = []
         starts = paged.query_start.tolist()[:-1]

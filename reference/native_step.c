@@ -1,0 +1,152 @@
+/* The torch backend's decode step between its projections, in C (native_step.py).
+ *
+ * A decoder layer of spec/forward.py is its projections, on PyTorch's CPU
+ * kernels (bfloat16 in, bfloat16 out), and some seventy small tensor
+ * operations between them: norms, RoPE, the KV append, attention, SiLU, the
+ * residual adds. At one token a step, dispatching those operations one by one
+ * costs more than computing them. Here they are three loops a layer, over
+ * float32 rows, with the same arithmetic: inputs of the kernels are rounded
+ * to bfloat16 (round to nearest even) and their outputs read back as float32,
+ * as `CpuInt4Linear.linear` does.
+ *
+ * Callers (native_step.py) validate every shape and index first; these loops
+ * trust them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* x[t] += add[t] (bfloat16 rows, `add_stride` apart; none when add is NULL),
+ * then out[t] = bf16(weight · x[t] / sqrt(mean(x[t]²) + eps))  (FWD-NORM-1, FWD-LAYER-1). */
+void add_rms_norm(float *x, const uint16_t *add, int64_t add_stride, const float *weight,
+                  float eps, uint16_t *out, int64_t tokens, int64_t hidden) {
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = x + t * hidden;
+        if (add) {
+            const uint16_t *a = add + t * add_stride;
+            for (int64_t i = 0; i < hidden; i++) row[i] += bf16_to_float(a[i]);
+        }
+        if (!out) continue; /* the last residual add: the final norm is PyTorch's */
+        float sum = 0.0f;
+        for (int64_t i = 0; i < hidden; i++) sum += row[i] * row[i];
+        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        uint16_t *o = out + t * hidden;
+        for (int64_t i = 0; i < hidden; i++) o[i] = float_to_bf16(weight[i] * (row[i] * inv));
+    }
+}
+
+/* out[t] = bf16(silu(gate[t]) · up[t]), gate and up the two halves of a bfloat16 row
+ * of `stride` (FWD-MLP-1). */
+void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t intermediate, uint16_t *out,
+              int64_t tokens) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *g = gate_up + t * stride, *u = g + intermediate;
+        uint16_t *o = out + t * intermediate;
+        for (int64_t i = 0; i < intermediate; i++) {
+            float gv = bf16_to_float(g[i]);
+            o[i] = float_to_bf16(gv / (1.0f + expf(-gv)) * bf16_to_float(u[i]));
+        }
+    }
+}
+
+static void rope(float *x, const float *cos, const float *sin, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * cos[i] - x2 * sin[i];
+        x[i + half] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+/* One layer's attention for packed tokens (FWD-ATTN-1, ATTN-*, APPEND-*):
+ * q, k, v from the bfloat16 rows of `qkv` (+ float32 `bias` unless NULL), RoPE
+ * on q and k by `cos`/`sin` `[tokens, head_dim / 2]`, k and v written to the
+ * float32 paged cache at `slot_mapping`, then each query row attends causally
+ * over its sequence (query_start, seq_lens, block_table). `scratch` holds
+ * `tokens · heads · head_dim + (heads + 2 kv_heads) · head_dim + max(seq_lens)`
+ * floats. out: `[tokens, heads · head_dim]` bf16. */
+void attention(const uint16_t *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, const float *cos, const float *sin,
+               float *k_cache, float *v_cache, int64_t block_size,
+               const int64_t *slot_mapping, const int64_t *block_table, int64_t max_blocks,
+               const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
+               float *scratch, uint16_t *out) {
+    const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
+    const int64_t kv_row = kv_heads * head_dim, group = heads / kv_heads;
+    const int64_t tokens = query_start[batch];
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    float *q_all = scratch; /* [tokens, heads · head_dim] */
+    float *row = q_all + tokens * heads * head_dim;
+    float *scores = row + width;
+    /* Every token's K and V go to the cache first: rows attend to later rows'
+     * keys of their own sequence only causally, but all are written. */
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *src = qkv + t * qkv_stride;
+        for (int64_t i = 0; i < width; i++)
+            row[i] = bf16_to_float(src[i]) + (bias ? bias[i] : 0.0f);
+        for (int64_t h = 0; h < heads + kv_heads; h++)
+            rope(row + h * head_dim, cos + t * half, sin + t * half, half);
+        memcpy(q_all + t * heads * head_dim, row, sizeof(float) * heads * head_dim);
+        if (slot_mapping[t] < 0) continue; /* APPEND-SKIP-1 */
+        memcpy(k_cache + slot_mapping[t] * kv_row, row + heads * head_dim, sizeof(float) * kv_row);
+        memcpy(v_cache + slot_mapping[t] * kv_row, row + heads * head_dim + kv_row,
+               sizeof(float) * kv_row);
+    }
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t start = query_start[b], q_len = query_start[b + 1] - start;
+        const int64_t *blocks = block_table + b * max_blocks;
+        for (int64_t r = 0; r < q_len; r++) {
+            const int64_t t = start + r;
+            const int64_t context = seq_lens[b] - q_len + r + 1; /* ATTN-CAUSAL-1 */
+            for (int64_t h = 0; h < heads; h++) {
+                const float *q = q_all + (t * heads + h) * head_dim;
+                const int64_t g = h / group;
+                uint16_t *o = out + (t * heads + h) * head_dim;
+                if (context <= 0) { /* ATTN-EMPTY-1 */
+                    for (int64_t i = 0; i < head_dim; i++) o[i] = 0;
+                    continue;
+                }
+                float max = -INFINITY;
+                for (int64_t j = 0; j < context; j++) {
+                    const float *k = k_cache +
+                        ((blocks[j / block_size] * block_size + j % block_size) * kv_heads + g) *
+                            head_dim;
+                    float s = 0.0f;
+                    for (int64_t i = 0; i < head_dim; i++) s += q[i] * k[i];
+                    s *= scale;
+                    scores[j] = s;
+                    if (s > max) max = s;
+                }
+                float total = 0.0f;
+                for (int64_t j = 0; j < context; j++) {
+                    scores[j] = expf(scores[j] - max);
+                    total += scores[j];
+                }
+                float *acc = row; /* reused: head_dim floats */
+                for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
+                for (int64_t j = 0; j < context; j++) {
+                    const float *v = v_cache +
+                        ((blocks[j / block_size] * block_size + j % block_size) * kv_heads + g) *
+                            head_dim;
+                    const float p = scores[j] / total;
+                    for (int64_t i = 0; i < head_dim; i++) acc[i] += p * v[i];
+                }
+                for (int64_t i = 0; i < head_dim; i++) o[i] = float_to_bf16(acc[i]);
+            }
+        }
+    }
+}

@@ -1,0 +1,297 @@
+"""The torch backend's forward pass for quantized models on the CPU: C between the kernels.
+
+A decode step of the spec's decoder (`spec/forward.py`) on a 2-core CPU is
+mostly dispatch: the int4 kernels take about 4.6 ms a token of SmolLM2-135M,
+the other ~75 tensor operations a layer (norms, RoPE, the KV append,
+attention, SiLU, residual adds, casts) about 11 ms, each too small to be
+worth its call. `NativeStep` runs the same layer as seven calls: the four
+projections on PyTorch's CPU kernels (`cpu_linear`, bfloat16 in and out)
+and, between them, three loops in C (`native_step.c`) that compute what the
+spec computes between them, in float32, on the float32 residual stream and
+KV cache:
+
+    h = norm(x)             add_rms_norm   FWD-NORM-1
+    qkv = h W_qkvᵀ          kernel
+    a = attention(qkv)      attention      RoPE, KV append, ATTN-*
+    o = a W_oᵀ              kernel
+    x += o; h = norm(x)     add_rms_norm   FWD-LAYER-1
+    gu = h W_guᵀ            kernel
+    m = silu(g) · u         silu_mul       FWD-MLP-1
+    x += m W_downᵀ          kernel, then add_rms_norm of the next layer
+
+It agrees with `spec.forward.cached_hidden_states` on the same packed
+weights within the attention's float32 tolerance: the kernels' inputs are
+rounded to bfloat16 exactly where `CpuInt4Linear.linear` rounds them, and
+only the order of float32 sums differs
+(tests/engine/test_native_step.py).
+
+It takes a model whose every projection is on a CPU kernel, with Q/K/V and
+gate/up each stacked as one (`cpu_linear.pack_for_cpu` makes both for the
+int8 and int4 formats), and passes of up to `MAX_TOKENS` tokens: decode
+steps and speculative verification. Longer passes (prefill) stay on the
+batched PyTorch path, whose attention uses both cores. The C loops are
+compiled once per machine with the system's C compiler into the user's
+cache directory; without one the backend says so on stderr and runs the
+PyTorch path. `DECODESPEC_NATIVE=0` turns the native step off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from decodespec.spec import append
+from decodespec.spec.attention import check_attention_args
+from decodespec.spec.forward import (
+    ModelWeights,
+    PagedBatch,
+    rms_norm,
+    rope_angles,
+    rope_inverse_frequencies,
+)
+
+from .cpu_linear import KERNEL_DTYPE, CpuInt4Linear, CpuInt8Linear, SharedInputMember
+
+SOURCE = Path(__file__).with_name("native_step.c")
+CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
+MAX_TOKENS = 32  # longer passes run the batched PyTorch path: faster from about 32 tokens
+
+_VOID_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "add_rms_norm": [_VOID_P, _VOID_P, _I64, _VOID_P, _F32, _VOID_P, _I64, _I64],
+    "silu_mul": [_VOID_P, _I64, _I64, _VOID_P, _I64],
+    "attention": [_VOID_P, _I64, _VOID_P, _I64, _I64, _I64, _VOID_P, _VOID_P, _VOID_P, _VOID_P,
+                  _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P],
+}  # fmt: skip
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "decodespec"
+
+
+def compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def build_library() -> Path:
+    """The compiled `native_step.c`, built once per source, flags and compiler.
+
+    Raises:
+        RuntimeError: no C compiler, or the compile failed (its messages attached).
+    """
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler(), *CFLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"native_step-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: concurrent builds (test workers)
+    # never load a half-written library.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        try:
+            result = subprocess.run(
+                [compiler(), *CFLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                capture_output=True,
+                text=True,
+            )
+        except FileNotFoundError as e:
+            raise RuntimeError(f"no C compiler ({compiler()!r} not found)") from e
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler()} failed on {SOURCE.name}:\n{result.stderr.strip()}")
+        os.replace(built, target)
+    return target
+
+
+_LIBRARY: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded C functions (built on first use; RuntimeError as `build_library`)."""
+    global _LIBRARY
+    if _LIBRARY is None:
+        lib = ctypes.CDLL(str(build_library()))
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
+        _LIBRARY = lib
+    return _LIBRARY
+
+
+Kernel = CpuInt4Linear | CpuInt8Linear
+
+
+def kernel_product(kernel: Kernel, x: Tensor) -> Tensor:
+    """The kernel's raw `[tokens, out_features (padded)]` bfloat16 product of bfloat16 `x`."""
+    if isinstance(kernel, CpuInt4Linear):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, kernel.packed, kernel.group_size, kernel.scale_and_zero
+        )
+    return torch.ops.aten._weight_int8pack_mm(x, kernel.qweight, kernel.scales)
+
+
+@dataclass
+class _Layer:
+    attn_norm: Tensor
+    qkv: Kernel
+    bias: Tensor | None  # q, k and v biases side by side, float32
+    o: Kernel
+    mlp_norm: Tensor
+    gate_up: Kernel
+    down: Kernel
+
+
+def _stacked(members: list[object], widths: list[int]) -> Kernel | None:
+    """The one kernel computing `members` side by side, in order, or None."""
+    if not all(isinstance(m, SharedInputMember) for m in members):
+        return None
+    shared = members[0].shared
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    if any(m.shared is not shared or m.start != s for m, s in zip(members, starts, strict=True)):
+        return None
+    return shared.kernel
+
+
+def unsupported(weights: ModelWeights) -> str | None:
+    """Why `NativeStep` cannot run `weights`, or None when it can."""
+    c = weights.config
+    if weights.device.type != "cpu" or weights.dtype != torch.float32:
+        return "the native step runs float32 activations on the CPU"
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for i, layer in enumerate(weights.layers):
+        qkv = _stacked([layer.q_proj, layer.k_proj, layer.v_proj], [q, kv, kv])
+        gate_up = _stacked([layer.gate_proj, layer.up_proj], [c.intermediate_size] * 2)
+        if qkv is None or gate_up is None:
+            return f"layer {i}'s Q/K/V or gate/up projections are not one CPU kernel"
+        if not all(isinstance(w, (CpuInt4Linear, CpuInt8Linear)) for w in (layer.o_proj,
+                                                                              layer.down_proj)):
+            return f"layer {i}'s o_proj or down_proj is not on a CPU kernel"
+    return None
+
+
+class NativeStep:
+    """`spec.forward.cached_hidden_states` for a model packed by `cpu_linear.pack_for_cpu`,
+    its steps between the projections in C (see the module docstring).
+
+    Example:
+        >>> step = NativeStep(weights)                         # doctest: +SKIP
+        >>> hidden = step(token_ids, paged_batch, kv_cache)    # doctest: +SKIP
+    """
+
+    def __init__(self, weights: ModelWeights) -> None:
+        reason = unsupported(weights)
+        if reason is not None:
+            raise ValueError(reason)
+        self.lib = library()
+        self.weights = weights
+        c = weights.config
+        self.layers = []
+        for layer in weights.layers:
+            biases = (layer.q_bias, layer.k_bias, layer.v_bias)
+            self.layers.append(
+                _Layer(
+                    layer.attn_norm.contiguous(),
+                    layer.q_proj.shared.kernel,
+                    None if biases[0] is None else torch.cat(biases).float().contiguous(),
+                    layer.o_proj,
+                    layer.mlp_norm.contiguous(),
+                    layer.gate_proj.shared.kernel,
+                    layer.down_proj,
+                )
+            )
+        self.max_tokens = MAX_TOKENS
+        self.inv_freq = rope_inverse_frequencies(c, torch.float32)
+        self.eps = float(c.rms_norm_eps)
+
+    def __call__(
+        self, token_ids: Tensor, batch: PagedBatch, kv_cache: list[tuple[Tensor, Tensor]]
+    ) -> Tensor:
+        """`[tokens, hidden]` final-normed hidden states; K/V appended to `kv_cache`
+        (the arguments and errors of `cached_hidden_states`)."""
+        w, c = self.weights, self.weights.config
+        if len(kv_cache) != len(w.layers):
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {len(w.layers)}")
+        if token_ids.dim() != 1 or batch.positions.shape != token_ids.shape:
+            raise ValueError(
+                f"token_ids and positions must be 1-D of the same length, got "
+                f"{list(token_ids.shape)} and {list(batch.positions.shape)}"
+            )
+        tokens, d = token_ids.shape[0], c.head_dim
+        if tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size):
+            raise ValueError(f"token_ids must be in [0, {c.vocab_size})")
+        self._check(tokens, batch, kv_cache)
+        lens = batch.seq_lens.tolist()
+        index = [t.to(torch.int64).contiguous() for t in (
+            batch.slot_mapping, batch.block_table, batch.seq_lens, batch.query_start)]  # fmt: skip
+        slots, table, seq_lens, starts = index
+        cos, sin = (a.reshape(tokens, d // 2).contiguous() for a in
+                    rope_angles(batch.positions, self.inv_freq, torch.float32))  # fmt: skip
+        width = (c.num_heads + 2 * c.num_kv_heads) * d
+        scratch = torch.empty(tokens * c.num_heads * d + width + max(lens, default=0))
+        x = w.embedding[token_ids].float().contiguous()
+        h = torch.empty(tokens, c.hidden_size, dtype=KERNEL_DTYPE)
+        attended = torch.empty(tokens, c.num_heads * d, dtype=KERNEL_DTYPE)
+        mlp = torch.empty(tokens, c.intermediate_size, dtype=KERNEL_DTYPE)
+        lib, eps, hidden = self.lib, self.eps, c.hidden_size
+        ptr = Tensor.data_ptr
+        residual, residual_stride = None, 0
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
+            lib.add_rms_norm(ptr(x), residual, residual_stride, ptr(layer.attn_norm), eps,
+                             ptr(h), tokens, hidden)  # fmt: skip
+            qkv = kernel_product(layer.qkv, h)
+            lib.attention(
+                ptr(qkv), qkv.stride(0), None if layer.bias is None else ptr(layer.bias),
+                c.num_heads, c.num_kv_heads, d, ptr(cos), ptr(sin), ptr(k_cache), ptr(v_cache),
+                k_cache.shape[1], ptr(slots), ptr(table), table.shape[1], ptr(seq_lens),
+                ptr(starts), len(lens), ptr(scratch), ptr(attended),
+            )  # fmt: skip
+            o = kernel_product(layer.o, attended)
+            lib.add_rms_norm(ptr(x), ptr(o), o.stride(0), ptr(layer.mlp_norm), eps, ptr(h),
+                             tokens, hidden)  # fmt: skip
+            gate_up = kernel_product(layer.gate_up, h)
+            lib.silu_mul(ptr(gate_up), gate_up.stride(0), c.intermediate_size, ptr(mlp), tokens)
+            down = kernel_product(layer.down, mlp)
+            residual, residual_stride = ptr(down), down.stride(0)
+        lib.add_rms_norm(ptr(x), residual, residual_stride, None, eps, None, tokens, hidden)
+        return rms_norm(x, w.final_norm, c.rms_norm_eps)
+
+    def _check(
+        self, tokens: int, batch: PagedBatch, kv_cache: list[tuple[Tensor, Tensor]]
+    ) -> None:
+        """ATTN-VALID-1 and APPEND-VALID-1 for the pass (every layer shares the layout),
+        and the float32 contiguous cache the C loops address."""
+        c = self.weights.config
+        k_cache, v_cache = kv_cache[0]
+        for k, v in kv_cache:
+            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("the native step needs contiguous float32 KV caches")
+            if k.shape != k_cache.shape or v.shape != k_cache.shape:
+                raise ValueError("every layer's KV cache must have one shape")
+        q = torch.empty(tokens, c.num_heads, c.head_dim)
+        kv = torch.empty(tokens, c.num_kv_heads, c.head_dim)
+        append._check_append_args(kv, kv, k_cache, v_cache, batch.slot_mapping)  # the spec's own
+        check_attention_args(
+            q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.query_start, None
+        )
+
+
+def native_step(weights: ModelWeights) -> NativeStep | None:
+    """The native step for `weights`, or None where it does not apply (saying why on
+    stderr when the reason is the machine's, not the model's)."""
+    if os.environ.get("DECODESPEC_NATIVE", "1") == "0" or unsupported(weights) is not None:
+        return None
+    try:
+        return NativeStep(weights)
+    except RuntimeError as e:
+        print(f"decodespec: the native decode step is off ({e}); running PyTorch's", file=sys.stderr)
+        return None
