@@ -173,8 +173,9 @@ def unsupported(weights: ModelWeights) -> str | None:
         gate_up = _stacked([layer.gate_proj, layer.up_proj], [c.intermediate_size] * 2)
         if qkv is None or gate_up is None:
             return f"layer {i}'s Q/K/V or gate/up projections are not one CPU kernel"
-        if not all(isinstance(w, (CpuInt4Linear, CpuInt8Linear)) for w in (layer.o_proj,
-                                                                              layer.down_proj)):
+        if not all(
+            isinstance(w, (CpuInt4Linear, CpuInt8Linear)) for w in (layer.o_proj, layer.down_proj)
+        ):
             return f"layer {i}'s o_proj or down_proj is not on a CPU kernel"
     return None
 
@@ -230,6 +231,8 @@ class NativeStep:
         if tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size):
             raise ValueError(f"token_ids must be in [0, {c.vocab_size})")
         self._check(tokens, batch, kv_cache)
+        if tokens == 0:
+            return torch.empty(0, c.hidden_size)
         lens = batch.seq_lens.tolist()
         index = [t.to(torch.int64).contiguous() for t in (
             batch.slot_mapping, batch.block_table, batch.seq_lens, batch.query_start)]  # fmt: skip
@@ -265,9 +268,7 @@ class NativeStep:
         lib.add_rms_norm(ptr(x), residual, residual_stride, None, eps, None, tokens, hidden)
         return rms_norm(x, w.final_norm, c.rms_norm_eps)
 
-    def _check(
-        self, tokens: int, batch: PagedBatch, kv_cache: list[tuple[Tensor, Tensor]]
-    ) -> None:
+    def _check(self, tokens: int, batch: PagedBatch, kv_cache: list[tuple[Tensor, Tensor]]) -> None:
         """ATTN-VALID-1 and APPEND-VALID-1 for the pass (every layer shares the layout),
         and the float32 contiguous cache the C loops address."""
         c = self.weights.config
@@ -293,5 +294,5 @@ def native_step(weights: ModelWeights) -> NativeStep | None:
     try:
         return NativeStep(weights)
     except RuntimeError as e:
-        print(f"decodespec: the native decode step is off ({e}); running PyTorch's", file=sys.stderr)
+        print(f"decodespec: native decode step off ({e}); running PyTorch's", file=sys.stderr)
         return None

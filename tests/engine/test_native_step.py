@@ -1,0 +1,272 @@
+"""The torch backend's native step (`reference/native_step.py`) is the spec's decoder:
+`cached_hidden_states` on the same packed weights, with the same cache writes and
+errors, and the engine runs it exactly where it applies.
+
+Agreement is within bfloat16 rounding: the kernels' inputs are rounded where
+the spec's `CpuInt4Linear.linear` rounds them, but a float32 norm or attention
+that differs in its last bit may round to the neighbouring bfloat16, and that
+difference carries through the layers (QUANT-TOL-1's bfloat16 scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodespec.reference import cpu_linear, native_step
+from decodespec.reference.backend import prepare_for_torch
+from decodespec.reference.engine import Engine
+from decodespec.reference.native_step import NativeStep, unsupported
+from decodespec.reference.weight_formats import convert_weights
+from decodespec.spec.forward import PagedBatch, cached_hidden_states, rms_norm
+from decodespec.spec.params import SamplingParams
+from decodespec.spec.registry import RELATIVE
+from tests.engine.toy import ByteTokenizer, random_weights, small_config
+
+BF16_RTOL = RELATIVE.rtol[torch.bfloat16]
+
+
+def quantized_model(fmt: str, seed: int = 0, **overrides) -> object:
+    """A small model in `fmt` whose every in_features is a multiple of int4's group."""
+    base = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+    config = small_config(**{**base, "max_context": 64, **overrides})
+    return convert_weights(random_weights(config, seed=seed), fmt)
+
+
+def packed_model(fmt: str, seed: int = 0, **overrides) -> object:
+    return prepare_for_torch(quantized_model(fmt, seed, **overrides))
+
+
+def empty_cache(weights, num_blocks: int, block_size: int, seed: int):
+    """Per-layer (k, v) caches of random contents (what a slot never written holds)."""
+    c, g = weights.config, torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(2)]
+
+
+@st.composite
+def passes(draw):
+    """A packed pass of a few sequences over a shuffled paged cache: each has some
+    positions cached and 0..4 new tokens (one may have none cached: a prompt), and
+    a new token may skip its write (slot -1, APPEND-SKIP-1)."""
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    batch = draw(st.integers(1, 4))
+    cached = [draw(st.integers(0, 20)) for _ in range(batch)]
+    new = [draw(st.integers(0 if n else 1, 4)) for n in cached]
+    blocks_of = [-(-(n + m) // block_size) for n, m in zip(cached, new, strict=True)]
+    num_blocks = sum(blocks_of) + 2
+    order = draw(st.permutations(range(num_blocks)))
+    owned, at = [], 0
+    for count in blocks_of:
+        owned.append(list(order[at : at + count]))
+        at += count
+    width = max(max(blocks_of), 1)
+    positions, slots, starts = [], [], [0]
+    for blocks, n, m in zip(owned, cached, new, strict=True):
+        for p in range(n, n + m):
+            positions.append(p)
+            skip = draw(st.booleans()) and draw(st.booleans()) and draw(st.booleans())
+            slots.append(-1 if skip else blocks[p // block_size] * block_size + p % block_size)
+        starts.append(starts[-1] + m)
+    paged = PagedBatch(
+        positions=torch.tensor(positions, dtype=torch.int64),
+        query_start=torch.tensor(starts),
+        seq_lens=torch.tensor([n + m for n, m in zip(cached, new, strict=True)]),
+        block_table=torch.tensor([b + [0] * (width - len(b)) for b in owned]),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        logits_indices=torch.tensor([], dtype=torch.int64),
+    )
+    return paged, num_blocks, block_size
+
+
+def assert_close(actual, expected, what):
+    if expected.numel() == 0:
+        return
+    scale = expected.abs().max().clamp(min=1.0)
+    err = (actual - expected).abs().max()
+    assert err <= BF16_RTOL * scale, f"{what}: max |native − spec| {err:.3g}, scale {scale:.3g}"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    passes(),
+    st.sampled_from(["int4", "int8"]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_native_step_is_cached_hidden_states(case, fmt, bias, seed):
+    """Hidden states and cache writes of `NativeStep` equal the spec's decoder on the
+    same packed weights (FWD-CACHE-1, APPEND-SLOT-1, APPEND-SKIP-1, ATTN-EMPTY-1)."""
+    paged, num_blocks, block_size = case
+    weights = packed_model(fmt, seed=seed % 7, attention_bias=bias)
+    g = torch.Generator().manual_seed(seed)
+    token_ids = torch.randint(0, weights.config.vocab_size, paged.positions.shape, generator=g)
+    spec_cache = empty_cache(weights, num_blocks, block_size, seed)
+    native_cache = [(k.clone(), v.clone()) for k, v in spec_cache]
+    expected = cached_hidden_states(weights, token_ids, paged, spec_cache)
+    actual = NativeStep(weights)(token_ids, paged, native_cache)
+    reproduce = f"fmt={fmt} bias={bias} seed={seed} {paged}"
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, reproduce
+    assert_close(actual, expected, f"hidden states ({reproduce})")
+    for (k, v), (k_ref, v_ref) in zip(native_cache, spec_cache, strict=True):
+        assert_close(k, k_ref, f"k cache ({reproduce})")
+        assert_close(v, v_ref, f"v cache ({reproduce})")
+        untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+        untouched[paged.slot_mapping[paged.slot_mapping >= 0]] = False
+        flat = k.view(num_blocks * block_size, -1)
+        assert torch.equal(flat[untouched], k_ref.view_as(flat)[untouched]), reproduce
+
+
+def bf16_ulps(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart (same-sign values; both bfloat16)."""
+    return (actual.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([8, 64, 576]), st.integers(0, 2**16))
+def test_norm_and_silu_loops_are_the_spec_steps(tokens, width, seed):
+    """`add_rms_norm` is FWD-LAYER-1's residual add and FWD-NORM-1's `rms_norm`,
+    rounded to bfloat16; `silu_mul` is FWD-MLP-1's `silu(gate) · up`: each within
+    one bfloat16 step of PyTorch's (a float32 sum in another order)."""
+    lib, ptr = native_step.library(), torch.Tensor.data_ptr
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, width, generator=g) * 3
+    add = torch.randn(tokens, 2 * width, generator=g).to(torch.bfloat16)  # rows 2·width apart
+    weight = 1 + 0.1 * torch.randn(width, generator=g)
+    out = torch.empty(tokens, width, dtype=torch.bfloat16)
+    expected_x = x + add[:, :width].float()
+    expected = rms_norm(expected_x, weight, 1e-5).to(torch.bfloat16)
+    lib.add_rms_norm(ptr(x), ptr(add), 2 * width, ptr(weight), 1e-5, ptr(out), tokens, width)
+    assert torch.equal(x, expected_x)
+    assert int(bf16_ulps(out, expected).max()) <= 1, f"tokens={tokens} width={width} seed={seed}"
+    mlp = torch.empty(tokens, width, dtype=torch.bfloat16)
+    lib.silu_mul(ptr(add), 2 * width, width, ptr(mlp), tokens)
+    gate, up = add.float().split(width, dim=1)
+    expected_mlp = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+    assert int(bf16_ulps(mlp, expected_mlp).max()) <= 1, (
+        f"tokens={tokens} width={width} seed={seed}"
+    )
+
+
+def decode_pass(weights, block_size=4, cached=3):
+    """One decode token after `cached` positions, in a cache of random contents."""
+    slot = cached  # blocks 0, 1, ... in order
+    paged = PagedBatch(
+        positions=torch.tensor([cached]),
+        query_start=torch.tensor([0, 1]),
+        seq_lens=torch.tensor([cached + 1]),
+        block_table=torch.tensor([[0, 1]]),
+        slot_mapping=torch.tensor([slot]),
+        logits_indices=torch.tensor([0]),
+    )
+    return torch.tensor([5]), paged, empty_cache(weights, 2, block_size, 0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(slot_mapping=torch.tensor([8])), "slot_mapping[0] = 8"),
+        (dict(block_table=torch.tensor([[7, 1]])), "block_table[0, 0] = 7"),
+        (dict(seq_lens=torch.tensor([9])), "seq_lens[0] = 9"),
+        (dict(query_start=torch.tensor([0, 2])), "query_start must start at 0 and end"),
+        (dict(positions=torch.tensor([3, 4])), "same length"),
+    ],
+)
+def test_bad_pass_is_refused_before_anything_is_written(change, message):
+    """ATTN-VALID-1 and APPEND-VALID-1, with the spec's messages; no cache is touched."""
+    weights = packed_model("int4")
+    token_ids, paged, cache = decode_pass(weights)
+    before = [(k.clone(), v.clone()) for k, v in cache]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        NativeStep(weights)(token_ids, dataclasses.replace(paged, **change), cache)
+    for (k, v), (k0, v0) in zip(cache, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_bad_tokens_and_caches_are_refused():
+    weights = packed_model("int4")
+    step = NativeStep(weights)
+    token_ids, paged, cache = decode_pass(weights)
+    with pytest.raises(ValueError, match=r"token_ids must be in \[0, 260\)"):
+        step(torch.tensor([260]), paged, cache)
+    with pytest.raises(ValueError, match="kv_cache has 1 layers, the model 2"):
+        step(token_ids, paged, cache[:1])
+    with pytest.raises(ValueError, match="contiguous float32 KV caches"):
+        step(token_ids, paged, [(k.double(), v.double()) for k, v in cache])
+    with pytest.raises(ValueError, match="contiguous float32 KV caches"):
+        step(token_ids, paged, [(k.transpose(0, 1), v) for k, v in cache])
+
+
+def test_models_it_does_not_take_say_why():
+    dense = prepare_for_torch(random_weights(small_config()))
+    assert "not one CPU kernel" in unsupported(dense)
+    bf16 = prepare_for_torch(convert_weights(random_weights(small_config()), "bfloat16"))
+    assert "float32 activations" in unsupported(bf16)
+    with pytest.raises(ValueError, match="not one CPU kernel"):
+        NativeStep(dense)
+    # Q, K and V of different layouts are three kernel calls, not one.
+    weights = quantized_model("int4")
+    layer = weights.layers[0]
+    k = layer.k_proj
+    regrouped = dataclasses.replace(
+        k, scales=k.scales[:, ::2], offsets=k.offsets[:, ::2], group_size=64
+    )
+    weights.layers[0] = dataclasses.replace(layer, k_proj=regrouped)
+    assert "layer 0's Q/K/V" in unsupported(cpu_linear.pack_for_cpu(weights))
+    assert native_step.native_step(dense) is None
+    assert isinstance(native_step.native_step(packed_model("int8")), NativeStep)
+
+
+def test_the_engine_runs_it_for_short_passes_only(monkeypatch):
+    """Passes of up to `max_tokens` tokens run the native step; longer ones (a long
+    prompt) the spec's decoder with the batched stages. Either way the output is
+    the spec loop's (tests/engine/test_weight_formats.py checks the tokens)."""
+    engine = Engine(packed_model("int4"), ByteTokenizer(), backend="torch", cache_tokens=256)
+    runner = engine.runner
+    assert isinstance(runner.native, NativeStep)
+    sizes = []
+    native_call = NativeStep.__call__
+
+    def spy(self, token_ids, paged, kv_cache):
+        sizes.append(token_ids.shape[0])
+        return native_call(self, token_ids, paged, kv_cache)
+
+    monkeypatch.setattr(NativeStep, "__call__", spy)
+    long_prompt = list(range(40))  # > max_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tokens = [e.token_id for e in engine.generate(long_prompt, params) if e.token_id is not None]
+    assert len(tokens) == 4
+    assert sizes == [1, 1, 1], "the prompt's pass (40 tokens) ran on the spec's decoder"
+    sizes.clear()
+    fresh = list(range(100, 100 + runner.native.max_tokens))  # no prefix in the cache
+    list(engine.generate(fresh, params))
+    assert sizes[0] == runner.native.max_tokens
+
+
+def test_no_compiler_says_so_and_runs_pytorch(tmp_path):
+    """Without a C compiler the backend runs PyTorch's path and says so on stderr."""
+    script = (
+        "from decodespec.reference import native_step\n"
+        "from tests.engine.test_native_step import packed_model\n"
+        "assert native_step.native_step(packed_model('int4')) is None\n"
+    )
+    env = {"CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert "native decode step off (no C compiler" in result.stderr
+    off = subprocess.run(
+        [sys.executable, "-c", script.replace("is None", "is None, 'DECODESPEC_NATIVE'")],
+        env={**os.environ, "DECODESPEC_NATIVE": "0"},
+        capture_output=True,
+        text=True,
+    )
+    assert off.returncode == 0 and "native" not in off.stderr, off.stderr
