@@ -43,6 +43,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,10 @@ from decodespec.spec.forward import (
 from .cpu_linear import KERNEL_DTYPE, CpuInt4Linear, CpuInt8Linear, SharedInputMember
 
 SOURCE = Path(__file__).with_name("native_step.c")
-CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
+# Reassociation lets the compiler vectorize the dot products and sums (attention's,
+# the norm's): another order of float32 sums, as any kernel's.
+CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno",
+          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros")  # fmt: skip
 MAX_TOKENS = 32  # longer passes run the batched PyTorch path: faster from about 32 tokens
 
 _VOID_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -131,24 +135,28 @@ def library() -> ctypes.CDLL:
 Kernel = CpuInt4Linear | CpuInt8Linear
 
 
-def kernel_product(kernel: Kernel, x: Tensor) -> Tensor:
-    """The kernel's raw `[tokens, out_features (padded)]` bfloat16 product of bfloat16 `x`."""
+def kernel_product(kernel: Kernel) -> Callable[[Tensor], Tensor]:
+    """The kernel's raw product: bfloat16 `x` `[tokens, in_features]` to bfloat16
+    `[tokens, out_features (padded)]`, its operator overload bound once."""
     if isinstance(kernel, CpuInt4Linear):
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, kernel.packed, kernel.group_size, kernel.scale_and_zero
-        )
-    return torch.ops.aten._weight_int8pack_mm(x, kernel.qweight, kernel.scales)
+        int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+        packed, group_size, scale_and_zero = kernel.packed, kernel.group_size, kernel.scale_and_zero
+        return lambda x: int4_mm(x, packed, group_size, scale_and_zero)
+    int8_mm = torch.ops.aten._weight_int8pack_mm.default
+    return lambda x: int8_mm(x, kernel.qweight, kernel.scales)
 
 
 @dataclass
 class _Layer:
-    attn_norm: Tensor
-    qkv: Kernel
-    bias: Tensor | None  # q, k and v biases side by side, float32
-    o: Kernel
-    mlp_norm: Tensor
-    gate_up: Kernel
-    down: Kernel
+    """One layer's kernels (bound products) and the addresses of its float32 vectors."""
+
+    qkv: Callable[[Tensor], Tensor]
+    o: Callable[[Tensor], Tensor]
+    gate_up: Callable[[Tensor], Tensor]
+    down: Callable[[Tensor], Tensor]
+    attn_norm: int
+    mlp_norm: int
+    bias: int | None  # q, k and v biases side by side
 
 
 def _stacked(members: list[object], widths: list[int]) -> Kernel | None:
@@ -197,17 +205,21 @@ class NativeStep:
         self.weights = weights
         c = weights.config
         self.layers = []
+        self.vectors: list[Tensor] = []  # what the layers' addresses point into
         for layer in weights.layers:
             biases = (layer.q_bias, layer.k_bias, layer.v_bias)
+            bias = None if biases[0] is None else torch.cat(biases).float().contiguous()
+            norms = [n.float().contiguous() for n in (layer.attn_norm, layer.mlp_norm)]
+            self.vectors += [*norms, *([] if bias is None else [bias])]
             self.layers.append(
                 _Layer(
-                    layer.attn_norm.contiguous(),
-                    layer.q_proj.shared.kernel,
-                    None if biases[0] is None else torch.cat(biases).float().contiguous(),
-                    layer.o_proj,
-                    layer.mlp_norm.contiguous(),
-                    layer.gate_proj.shared.kernel,
-                    layer.down_proj,
+                    kernel_product(layer.q_proj.shared.kernel),
+                    kernel_product(layer.o_proj),
+                    kernel_product(layer.gate_proj.shared.kernel),
+                    kernel_product(layer.down_proj),
+                    norms[0].data_ptr(),
+                    norms[1].data_ptr(),
+                    None if bias is None else bias.data_ptr(),
                 )
             )
         self.max_tokens = MAX_TOKENS
@@ -230,13 +242,12 @@ class NativeStep:
         tokens, d = token_ids.shape[0], c.head_dim
         if tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size):
             raise ValueError(f"token_ids must be in [0, {c.vocab_size})")
-        self._check(tokens, batch, kv_cache)
+        caches = self._check(tokens, batch, kv_cache)
         if tokens == 0:
             return torch.empty(0, c.hidden_size)
         lens = batch.seq_lens.tolist()
         index = [t.to(torch.int64).contiguous() for t in (
             batch.slot_mapping, batch.block_table, batch.seq_lens, batch.query_start)]  # fmt: skip
-        slots, table, seq_lens, starts = index
         cos, sin = (a.reshape(tokens, d // 2).contiguous() for a in
                     rope_angles(batch.positions, self.inv_freq, torch.float32))  # fmt: skip
         width = (c.num_heads + 2 * c.num_kv_heads) * d
@@ -245,45 +256,54 @@ class NativeStep:
         h = torch.empty(tokens, c.hidden_size, dtype=KERNEL_DTYPE)
         attended = torch.empty(tokens, c.num_heads * d, dtype=KERNEL_DTYPE)
         mlp = torch.empty(tokens, c.intermediate_size, dtype=KERNEL_DTYPE)
-        lib, eps, hidden = self.lib, self.eps, c.hidden_size
-        ptr = Tensor.data_ptr
+        slots, table, seq_lens, starts = index
+        # The arguments every layer's attention shares, after its qkv and bias and
+        # before its caches; then those after its caches.
+        shape = (c.num_heads, c.num_kv_heads, d, cos.data_ptr(), sin.data_ptr())
+        layout = (kv_cache[0][0].shape[1], slots.data_ptr(), table.data_ptr(), table.shape[1],
+                  seq_lens.data_ptr(), starts.data_ptr(), len(lens), scratch.data_ptr(),
+                  attended.data_ptr())  # fmt: skip
+        lib, eps, hidden, intermediate = self.lib, self.eps, c.hidden_size, c.intermediate_size
+        x_, h_, mlp_ = x.data_ptr(), h.data_ptr(), mlp.data_ptr()
         residual, residual_stride = None, 0
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache, strict=True):
-            lib.add_rms_norm(ptr(x), residual, residual_stride, ptr(layer.attn_norm), eps,
-                             ptr(h), tokens, hidden)  # fmt: skip
-            qkv = kernel_product(layer.qkv, h)
-            lib.attention(
-                ptr(qkv), qkv.stride(0), None if layer.bias is None else ptr(layer.bias),
-                c.num_heads, c.num_kv_heads, d, ptr(cos), ptr(sin), ptr(k_cache), ptr(v_cache),
-                k_cache.shape[1], ptr(slots), ptr(table), table.shape[1], ptr(seq_lens),
-                ptr(starts), len(lens), ptr(scratch), ptr(attended),
-            )  # fmt: skip
-            o = kernel_product(layer.o, attended)
-            lib.add_rms_norm(ptr(x), ptr(o), o.stride(0), ptr(layer.mlp_norm), eps, ptr(h),
-                             tokens, hidden)  # fmt: skip
-            gate_up = kernel_product(layer.gate_up, h)
-            lib.silu_mul(ptr(gate_up), gate_up.stride(0), c.intermediate_size, ptr(mlp), tokens)
-            down = kernel_product(layer.down, mlp)
-            residual, residual_stride = ptr(down), down.stride(0)
-        lib.add_rms_norm(ptr(x), residual, residual_stride, None, eps, None, tokens, hidden)
+        for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
+            lib.add_rms_norm(
+                x_, residual, residual_stride, layer.attn_norm, eps, h_, tokens, hidden
+            )
+            qkv = layer.qkv(h)
+            lib.attention(qkv.data_ptr(), qkv.stride(0), layer.bias, *shape, k_cache, v_cache,
+                          *layout)  # fmt: skip
+            o = layer.o(attended)
+            lib.add_rms_norm(x_, o.data_ptr(), o.stride(0), layer.mlp_norm, eps, h_, tokens, hidden)
+            gate_up = layer.gate_up(h)
+            lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), intermediate, mlp_, tokens)
+            down = layer.down(mlp)
+            residual, residual_stride = down.data_ptr(), down.stride(0)
+        lib.add_rms_norm(x_, residual, residual_stride, None, eps, None, tokens, hidden)
         return rms_norm(x, w.final_norm, c.rms_norm_eps)
 
-    def _check(self, tokens: int, batch: PagedBatch, kv_cache: list[tuple[Tensor, Tensor]]) -> None:
+    def _check(
+        self, tokens: int, batch: PagedBatch, kv_cache: list[tuple[Tensor, Tensor]]
+    ) -> list[tuple[int, int]]:
         """ATTN-VALID-1 and APPEND-VALID-1 for the pass (every layer shares the layout),
-        and the float32 contiguous cache the C loops address."""
+        and the float32 contiguous caches the C loops address: their addresses."""
         c = self.weights.config
         k_cache, v_cache = kv_cache[0]
+        addresses = []
         for k, v in kv_cache:
-            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("the native step needs contiguous float32 KV caches")
-            if k.shape != k_cache.shape or v.shape != k_cache.shape:
-                raise ValueError("every layer's KV cache must have one shape")
+            for t in (k, v):
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                    raise ValueError("the native step needs contiguous float32 KV caches")
+                if t.shape != k_cache.shape:
+                    raise ValueError("every layer's KV cache must have one shape")
+            addresses.append((k.data_ptr(), v.data_ptr()))
         q = torch.empty(tokens, c.num_heads, c.head_dim)
         kv = torch.empty(tokens, c.num_kv_heads, c.head_dim)
         append._check_append_args(kv, kv, k_cache, v_cache, batch.slot_mapping)  # the spec's own
         check_attention_args(
             q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.query_start, None
         )
+        return addresses
 
 
 def native_step(weights: ModelWeights) -> NativeStep | None:
