@@ -349,7 +349,9 @@ def test_naive_mode_gives_the_same_tokens(model, greedy, monkeypatch):
         runner_module, "forward_naive", counted("naive", runner_module.forward_naive)
     )
     monkeypatch.setattr(
-        runner_module, "forward_cached", counted("cached", runner_module.forward_cached)
+        runner_module,
+        "cached_hidden_states",
+        counted("cached", runner_module.cached_hidden_states),
     )
     naive = run_cli(
         model,
