@@ -4,10 +4,10 @@
  * kernels (bfloat16 in, bfloat16 out), and some seventy small tensor
  * operations between them: norms, RoPE, the KV append, attention, SiLU, the
  * residual adds. At one token a step, dispatching those operations one by one
- * costs more than computing them. Here they are three loops a layer, over
- * float32 rows, with the same arithmetic: inputs of the kernels are rounded
- * to bfloat16 (round to nearest even) and their outputs read back as float32,
- * as `CpuInt4Linear.linear` does.
+ * costs more than computing them. Here they are three functions (four calls
+ * a layer) over float32 rows, with the same arithmetic: inputs of the kernels
+ * are rounded to bfloat16 (round to nearest even) and their outputs read back
+ * as float32, as `CpuInt4Linear.linear` does.
  *
  * Callers (native_step.py) validate every shape and index first; these loops
  * trust them.

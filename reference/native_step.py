@@ -4,11 +4,11 @@ A decode step of the spec's decoder (`spec/forward.py`) on a 2-core CPU is
 mostly dispatch: the int4 kernels take about 4.6 ms a token of SmolLM2-135M,
 the other ~75 tensor operations a layer (norms, RoPE, the KV append,
 attention, SiLU, residual adds, casts) about 11 ms, each too small to be
-worth its call. `NativeStep` runs the same layer as seven calls: the four
+worth its call. `NativeStep` runs the same layer as eight calls: the four
 projections on PyTorch's CPU kernels (`cpu_linear`, bfloat16 in and out)
-and, between them, three loops in C (`native_step.c`) that compute what the
-spec computes between them, in float32, on the float32 residual stream and
-KV cache:
+and, between them, four calls of three loops in C (`native_step.c`) that
+compute what the spec computes there, in float32, on the float32 residual
+stream and KV cache:
 
     h = norm(x)             add_rms_norm   FWD-NORM-1
     qkv = h W_qkvᵀ          kernel
@@ -20,10 +20,10 @@ KV cache:
     x += m W_downᵀ          kernel, then add_rms_norm of the next layer
 
 It agrees with `spec.forward.cached_hidden_states` on the same packed
-weights within the attention's float32 tolerance: the kernels' inputs are
-rounded to bfloat16 exactly where `CpuInt4Linear.linear` rounds them, and
-only the order of float32 sums differs
-(tests/engine/test_native_step.py).
+weights within bfloat16's tolerance: the kernels' inputs are rounded to
+bfloat16 exactly where `CpuInt4Linear.linear` rounds them and only the order
+of float32 sums differs, but a sum that differs in its last bit can round to
+the neighbouring bfloat16 (tests/engine/test_native_step.py).
 
 It takes a model whose every projection is on a CPU kernel, with Q/K/V and
 gate/up each stacked as one (`cpu_linear.pack_for_cpu` makes both for the
