@@ -55,6 +55,7 @@ from decodespec.spec.attention import check_attention_args
 from decodespec.spec.forward import (
     ModelWeights,
     PagedBatch,
+    check_tokens,
     rms_norm,
     rope_angles,
     rope_inverse_frequencies,
@@ -236,14 +237,8 @@ class NativeStep:
         w, c = self.weights, self.weights.config
         if len(kv_cache) != len(w.layers):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {len(w.layers)}")
-        if token_ids.dim() != 1 or batch.positions.shape != token_ids.shape:
-            raise ValueError(
-                f"token_ids and positions must be 1-D of the same length, got "
-                f"{list(token_ids.shape)} and {list(batch.positions.shape)}"
-            )
+        check_tokens(c, token_ids, batch.positions)
         tokens, d = token_ids.shape[0], c.head_dim
-        if tokens and (int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size):
-            raise ValueError(f"token_ids must be in [0, {c.vocab_size})")
         caches = self._check(tokens, batch, kv_cache)
         if tokens == 0:
             return torch.empty(0, c.hidden_size)

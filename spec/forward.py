@@ -267,11 +267,9 @@ def decoder_layer(
     return x + mlp
 
 
-def forward_hidden(
-    weights: ModelWeights, token_ids: Tensor, positions: Tensor, attend: Attend
-) -> Tensor:
-    """`[tokens, hidden]` final-normed hidden states of packed tokens (FWD-EMBED-1 .. -LAYER-1)."""
-    config = weights.config
+def check_tokens(config: ModelConfig, token_ids: Tensor, positions: Tensor) -> None:
+    """ValueError unless `token_ids` and `positions` are 1-D of one length, the ids in
+    the vocabulary (what every forward pass checks first)."""
     if token_ids.dim() != 1 or positions.shape != token_ids.shape:
         raise ValueError(
             f"token_ids and positions must be 1-D of the same length, got "
@@ -281,6 +279,14 @@ def forward_hidden(
         int(token_ids.min()) < 0 or int(token_ids.max()) >= config.vocab_size
     ):
         raise ValueError(f"token_ids must be in [0, {config.vocab_size})")
+
+
+def forward_hidden(
+    weights: ModelWeights, token_ids: Tensor, positions: Tensor, attend: Attend
+) -> Tensor:
+    """`[tokens, hidden]` final-normed hidden states of packed tokens (FWD-EMBED-1 .. -LAYER-1)."""
+    config = weights.config
+    check_tokens(config, token_ids, positions)
     inv_freq = rope_inverse_frequencies(config, torch.promote_types(weights.dtype, torch.float32))
     rope = rope_angles(positions, inv_freq.to(weights.device), weights.dtype)
     x = weights.embedding[token_ids]

@@ -110,7 +110,7 @@ def measure_speed(path: Path, threads: int, tokens: int, rounds: int) -> dict:
             "weight_bytes": weight_bytes(engine.weights),
             "layout": describe(engine.weights),
             # the torch backend's decode step in C between the kernels (native_step.py)
-            "native_step": getattr(engine.runner, "native", None) is not None,
+            "native_step": engine.runner.native is not None,
             "greedy_tokens_equal_to_float32": sum(
                 a == b for a, b in zip(outputs[name], outputs["float32"], strict=True)
             ),
