@@ -1,86 +1,65 @@
-"""Structured outputs: a request's grammar, compiled by xgrammar, as the spec's matcher.
+"""Structured outputs: a request's grammar, compiled by a grammar library, as the spec's matcher.
 
 A request may ask for output that matches a JSON Schema, any JSON object, a
 regular expression, an EBNF grammar or one of a list of strings
 (`StructuredOutput`). `Grammars` compiles it once, before the request is
-queued, into xgrammar's automaton over this model's vocabulary; each request
-then gets its own `GrammarMatcher`, which fills the row's token bitmask
-every step and advances with every emitted token (the spec's `TokenMatcher`,
-MASK-MATCHER-1). What the bitmask does to the logits is the spec's
-`token_mask` stage, applied inside `sample` (MASK-SAMPLE-1).
+queued, with one of two libraries (`grammar_backends`: llguidance by default,
+or xgrammar) over this model's vocabulary; each request then gets its own
+matcher, which fills the row's token bitmask every step and advances with
+every emitted token (the spec's `TokenMatcher`, MASK-MATCHER-1). What the
+bitmask does to the logits is the spec's `token_mask` stage, applied inside
+`sample` (MASK-SAMPLE-1).
 
-Why xgrammar (`make bench-structured`, docs/structured.md): on this model
-(49,152 tokens, one thread) it and llguidance fill masks about equally fast;
-xgrammar builds its vocabulary tables faster, and llguidance compiles a
-schema far faster (under a millisecond against tens, hundreds with
-`maxLength`: a cost paid once per new schema). Both roll back, which
-speculative drafts need. xgrammar's EBNF is llama.cpp's GBNF, so grammars
-written for llama.cpp work as they are, and it is vLLM's default backend.
+Soundness before coverage (MASK-SOUND-1): every string a compiled schema
+admits validates against the schema. A schema whose keywords the library
+would enforce only in part is refused, naming the keyword and where it is
+(`schema_policy`); JSON output never repeats a key in one object
+(`unique_keys`, MASK-KEYS-1).
+
+Why llguidance by default (`make bench-structured`, docs/structured.md): on
+the JSON Schema Test Suite both are sound once `schema_policy` refuses what
+each would not enforce, and llguidance then accepts more of the suite's
+schemas and of JSONSchemaBench's, compiles a schema in about a millisecond
+(xgrammar: tens, hundreds with `maxLength`), and fills masks as fast.
+xgrammar stays a choice (`--grammar-backend xgrammar`): its EBNF is llama.cpp's
+GBNF, and it is vLLM's default.
 
 Bad input is a `GrammarError` (a `ParameterError` naming the request field
 it came from) raised by `compile`, before any model work: a schema that is
-not JSON, not valid under the JSON Schema meta-schema, or uses a keyword no
-grammar can enforce (`not`, `if`, `uniqueItems`, ..., which xgrammar would
-silently ignore) or a reference outside itself, a regular expression or
-grammar that does not parse, a grammar that admits no string, a source
-longer than `MAX_SOURCE_BYTES`.
+not JSON, not valid under the JSON Schema meta-schema, uses a keyword the
+backend would not enforce, or a reference outside itself, a regular
+expression or grammar that does not parse, a grammar that admits no string,
+a source longer than `MAX_SOURCE_BYTES`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch import Tensor
 
 from decodespec.spec.checks import ParameterError
 from decodespec.spec.token_mask import bitmask_words
 
+from .grammar_backends import CompileError, make_backend
+from .schema_policy import SchemaRefused, enforceable_schema
+
 if TYPE_CHECKING:
-    import xgrammar
+    from decodespec.spec.token_mask import TokenMatcher
 
     from .tokenizer import Tokenizer
 
 Kind = Literal["json_schema", "json_object", "regex", "grammar", "choice"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "grammar", "choice")
+DEFAULT_BACKEND = "llguidance"
 
 # The largest schema, expression or grammar a request may send: compiling is linear-ish
 # in its size, and it runs before the request is queued, on the server's engine thread.
 MAX_SOURCE_BYTES = 64 * 1024
 MAX_CHOICES = 256
-# JSON's layout: any whitespace between tokens, as JSON allows and as models write it
-# (a newline and an indent after "{"), but at most this much in one place, so that a
-# model cannot spend its max_tokens on spaces. Compact-only JSON (no whitespace) drives
-# a small model off what it learned: SmolLM2-135M wrote `{", ": 1174…` under it.
-JSON_FORMAT = {"any_whitespace": True, "max_whitespace_cnt": 24}
-
-# xgrammar's C++ errors start with a time stamp and a source location:
-# "[11:38:31] /project/cpp/regex_converter.cc:83: Regex parsing error ...".
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-
-
-# JSON Schema keywords a grammar cannot enforce (a context-free grammar cannot say "not
-# this", "all different" or "if this then that"): xgrammar would ignore them silently and
-# let through output the schema refuses, so a schema that uses them is refused instead.
-UNSUPPORTED_KEYWORDS = (
-    "not",
-    "if",
-    "then",
-    "else",
-    "uniqueItems",
-    "contains",
-    "dependentSchemas",
-    "dependencies",
-    "$dynamicRef",
-)
-# Keywords whose value is a schema, a list of schemas or a mapping of names to schemas.
-_SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "additionalItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 
 
 class GrammarError(ParameterError):
@@ -137,104 +116,65 @@ class StructuredOutput:
         return cls("json_schema", source=schema, field=field)
 
 
-class GrammarMatcher:
-    """One request's matcher (the spec's `TokenMatcher`) over an xgrammar automaton."""
-
-    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
-        self._matcher = matcher
-
-    def fill_bitmask(self, bitmask: Tensor) -> None:
-        """Write the allowed next tokens into a `[words]` int32 row (MASK-LAYOUT-1);
-        none once a stop token was accepted (xgrammar raises there instead)."""
-        if self._matcher.is_terminated():
-            bitmask.zero_()
-        else:
-            self._matcher.fill_next_token_bitmask(bitmask[None], 0)
-
-    def accept_token(self, token_id: int) -> bool:
-        if self._matcher.is_terminated():
-            return False
-        return bool(self._matcher.accept_token(token_id))
-
-    def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self._matcher.rollback(num_tokens)
-
-    def is_terminated(self) -> bool:
-        return bool(self._matcher.is_terminated())
-
-
 class Grammars:
-    """Compiles structured outputs for one tokenizer and makes their matchers.
+    """Compiles structured outputs for one tokenizer, with one grammar library (`backend`,
+    one of `grammar_backends.BACKENDS`), and makes their matchers.
 
-    Its tables over the vocabulary are built on first use (about 50 ms for
-    49,152 tokens), so an engine that never sees a grammar never pays for them.
-    Special tokens are never text: a grammar allows them only as its stop
-    tokens, the model's EOS ids.
+    Example:
+        >>> grammars = Grammars(tokenizer, vocab_size=49152)  # doctest: +SKIP
+        >>> matcher = grammars.matcher(StructuredOutput("regex", source="yes|no", field="t"))
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, backend: str = DEFAULT_BACKEND
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._compiler: xgrammar.GrammarCompiler | None = None
+        self.backend = make_backend(backend, tokenizer, vocab_size)
 
-    def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
-        if self._compiler is None:
-            import xgrammar  # imported on first use: a server without grammars never loads it
-
-            special = self.tokenizer.special_token_ids
-            vocab = [
-                b"" if i in special else self.tokenizer.token_bytes(i)
-                for i in range(self.tokenizer.vocab_size)
-            ]
-            info = xgrammar.TokenizerInfo(
-                vocab,
-                xgrammar.VocabType.RAW,
-                vocab_size=self.vocab_size,
-                stop_token_ids=list(self.tokenizer.eos_token_ids),
-            )
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        return self._compiler
-
-    def compile(self, output: StructuredOutput) -> xgrammar.CompiledGrammar:
-        """The compiled grammar (xgrammar's, cached by it), or `GrammarError` for a
-        source that does not compile."""
+    def compile(self, output: StructuredOutput) -> object:
+        """The compiled grammar, or `GrammarError` naming the request field: a schema the
+        backend would not enforce whole (`check_schema`), a source that does not compile."""
         if output.kind == "json_schema":
-            check_schema(output.source, output.field)
-        compiler = self._xgrammar_compiler()
+            schema = check_schema(output.source, output.field, self.backend.name)
+            output = dataclasses.replace(output, source=json.dumps(schema))
         try:
-            if output.kind == "json_schema":
-                compiled = compiler.compile_json_schema(output.source, **JSON_FORMAT)
-            elif output.kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', **JSON_FORMAT)
-            elif output.kind == "regex":
-                compiled = compiler.compile_regex(output.source)
-            elif output.kind == "grammar":
-                compiled = compiler.compile_grammar(output.source)
-            else:
-                compiled = compiler.compile_grammar(_choice_grammar(output.choices))
-        except (RuntimeError, ValueError, TypeError) as error:
-            message = _LOCATION.sub("", str(error).strip()).splitlines()[0]
-            raise GrammarError(output.field, f"{output.field}: {message}") from None
-        return compiled
+            return self.backend.compile(output)
+        except CompileError as error:
+            raise GrammarError(output.field, f"{output.field}: {error}") from None
 
-    def matcher(self, output: StructuredOutput) -> GrammarMatcher:
+    def matcher(self, output: StructuredOutput) -> TokenMatcher:
         """A fresh matcher for one request (`compile`'s errors included), or
         `GrammarError` if its first step allows no token: the grammar admits no string
         (left recursion without a base case, an empty character class)."""
-        import xgrammar
-
-        matcher = GrammarMatcher(xgrammar.GrammarMatcher(self.compile(output)))
+        matcher = self.backend.matcher(self.compile(output))
         first = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
         matcher.fill_bitmask(first)  # filling does not advance the matcher
-        if not bool(first.any()):
+        stop = self.tokenizer.eos_token_ids[0]
+        if not (
+            first.any()
+            and (_allows_text(first, self.tokenizer.eos_token_ids) or matcher.accept_token(stop))
+        ):
+            # llguidance offers the stop token where nothing can be matched, yet refuses it.
             raise GrammarError(output.field, f"{output.field}: the grammar admits no string")
+        if matcher.is_terminated():
+            matcher.rollback(1)
         return matcher
 
 
-def check_schema(source: str, field: str) -> None:
-    """A JSON Schema this engine can enforce: JSON text, valid under the JSON Schema
-    meta-schema (2020-12), without UNSUPPORTED_KEYWORDS or references outside itself.
+def _allows_text(bitmask: torch.Tensor, stop_token_ids: tuple[int, ...]) -> bool:
+    """Whether a `[words]` mask allows a token that is not a stop token."""
+    text = bitmask.clone()
+    for token in stop_token_ids:
+        text[token // 32] &= ~(1 << (token % 32)) if token % 32 != 31 else 0x7FFFFFFF
+    return bool(text.any())
+
+
+def check_schema(source: str, field: str, backend: str = DEFAULT_BACKEND) -> object:
+    """The schema to compile, if `backend` enforces `source` whole: JSON text, valid
+    under the JSON Schema meta-schema (2020-12), and every keyword one the backend
+    enforces (`schema_policy.enforceable_schema`, which may rewrite a format as a
+    pattern).
 
     Raises:
         GrammarError: naming `field`, the keyword and where it is ("at /properties/a").
@@ -254,37 +194,7 @@ def check_schema(source: str, field: str) -> None:
         raise GrammarError(
             field, f"{field}: not a valid JSON Schema at {where}: {error.message}"
         ) from None
-    _check_keywords(schema, field, "")
-
-
-def _check_keywords(schema: object, field: str, where: str) -> None:
-    if not isinstance(schema, dict):
-        return
-    for keyword in UNSUPPORTED_KEYWORDS:
-        if keyword in schema:
-            raise GrammarError(
-                field,
-                f"{field}: {keyword!r} (at {where or '/'}) is not supported: a grammar cannot "
-                "enforce it",
-            )
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        raise GrammarError(
-            field, f"{field}: $ref {ref!r} (at {where or '/'}): only references inside the "
-            "schema (#/...) are supported",
-        )  # fmt: skip
-    for key in _SUBSCHEMA:
-        _check_keywords(schema.get(key), field, f"{where}/{key}")
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            for i, item in enumerate(schema[key]):
-                _check_keywords(item, field, f"{where}/{key}/{i}")
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            for name, item in schema[key].items():
-                _check_keywords(item, field, f"{where}/{key}/{name}")
-
-
-def _choice_grammar(choices: Sequence[str]) -> str:
-    """EBNF for exactly one of `choices`: JSON string literals are valid EBNF ones."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    try:
+        return enforceable_schema(schema, backend)
+    except SchemaRefused as error:
+        raise GrammarError(field, f"{field}: {error}") from None

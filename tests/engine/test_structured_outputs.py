@@ -1,4 +1,4 @@
-"""Structured outputs in the engine: xgrammar matchers, one per request
+"""Structured outputs in the engine: grammar matchers, one per request
 (MASK-MATCHER-1, MASK-ADVANCE-1, LOOP-GRAMMAR-1).
 
 Each constrained request's tokens, text, finish reason and logprobs must be
@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from decodespec.reference.engine import Engine
 from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+from decodespec.reference.grammar_backends import BACKENDS
 from decodespec.reference.sampler import GRAMMAR_INVALID
 from decodespec.spec.generate import generate
 from decodespec.spec.params import SamplingParams
@@ -73,8 +74,9 @@ def allowed(matcher) -> list[int]:
 
 
 @pytest.mark.clause("MASK-MATCHER-1")
-def test_an_xgrammar_matcher_allows_eos_exactly_when_the_text_is_complete():
-    grammars = Grammars(TOKENIZER, VOCAB)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_matcher_allows_eos_exactly_when_the_text_is_complete(backend):
+    grammars = Grammars(TOKENIZER, VOCAB, backend)
     matcher = grammars.matcher(StructuredOutput("regex", source="a(b|c)d?", field="t"))
     a, b, c, d = (ord(ch) for ch in "abcd")
     assert allowed(matcher) == [a]
@@ -84,6 +86,26 @@ def test_an_xgrammar_matcher_allows_eos_exactly_when_the_text_is_complete():
     assert matcher.accept_token(EOS) and matcher.is_terminated() and allowed(matcher) == []
     matcher.rollback(2)
     assert not matcher.is_terminated() and allowed(matcher) == [b, c]
+
+
+@pytest.mark.clause("MASK-MATCHER-1")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_matcher_with_nothing_left_to_match_takes_the_stop_token_and_rolls_it_back(backend):
+    # llguidance stops by itself after "ab" (nothing can follow) and no longer takes
+    # tokens; the matcher must still take the stop token once, and undo it.
+    matcher = Grammars(TOKENIZER, VOCAB, backend).matcher(
+        StructuredOutput("regex", source="ab", field="t")
+    )
+    a, b = ord("a"), ord("b")
+    assert matcher.accept_token(a) and matcher.accept_token(b) and allowed(matcher) == [EOS]
+    assert not matcher.accept_token(a) and allowed(matcher) == [EOS]
+    assert matcher.accept_token(EOS) and matcher.is_terminated() and allowed(matcher) == []
+    assert not matcher.accept_token(EOS)
+    matcher.rollback(1)
+    assert not matcher.is_terminated() and allowed(matcher) == [EOS]
+    matcher.rollback(2)
+    assert allowed(matcher) == [a]
+    assert matcher.accept_token(a) and matcher.accept_token(b) and matcher.accept_token(EOS)
 
 
 # ---------------------------------------------------------------- engine = spec loop
@@ -262,18 +284,18 @@ def test_drafts_that_leave_the_grammar_are_cut_before_verification():
             StructuredOutput.json_schema(
                 {"properties": {"a": {"type": "array", "uniqueItems": True}}}, field="f"
             ),
-            "'uniqueItems' (at /properties/a) is not supported",
+            "'uniqueItems' at /properties/a: a grammar cannot enforce it",
         ),
         (
             StructuredOutput.json_schema({"anyOf": [{"not": {"type": "null"}}]}, field="f"),
-            "'not' (at /anyOf/0) is not supported",
+            "'not' at /anyOf/0: a grammar cannot enforce it",
         ),
         (
             StructuredOutput.json_schema({"$ref": "https://example.com/s.json"}, field="f"),
-            "only references inside the schema",
+            "only JSON pointers inside the schema",
         ),
-        (StructuredOutput("regex", source="a(b", field="f"), "parenthesis"),
-        (StructuredOutput("grammar", source='root ::= "a" |', field="f"), "EBNF"),
+        (StructuredOutput("regex", source="a(b", field="f"), "unclosed group"),
+        (StructuredOutput("grammar", source='root ::= ("a"', field="f"), "EBNF"),
         (StructuredOutput("grammar", source='root ::= root "a"', field="f"), "admits no string"),
         (StructuredOutput("regex", source="[^\\x00-\\U0010FFFF]", field="f"), ""),
     ],

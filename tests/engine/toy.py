@@ -70,6 +70,7 @@ class ByteTokenizer:
     """Token i < 256 is byte i; 256 is EOS, 257..259 are special (no text)."""
 
     eos_token_ids = (256,)
+    bos_token_id = None
     special_token_ids = frozenset({256, 257, 258, 259})
     vocab_size = 260
     chat_template = None

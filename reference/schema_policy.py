@@ -1,0 +1,216 @@
+"""Which JSON Schema keywords each grammar library enforces whole (MASK-SOUND-1).
+
+A grammar library that meets a keyword it cannot express either refuses the
+schema or, worse, drops the keyword with a warning on stderr and lets through
+output the schema rejects (xgrammar: `maxLength` beside `pattern`, `multipleOf`
+on numbers, overlapping `oneOf` branches read as `anyOf`). This module decides
+before the library sees the schema: every keyword of every subschema must be
+one the chosen backend enforces in that place, or the schema is refused with
+the keyword and its JSON pointer (`'maxLength' with 'pattern' at
+/properties/username`).
+
+The lists were derived from the JSON Schema Test Suite (draft 2020-12) run
+through each backend (tests/grammar/schema_suite.py): a keyword stays allowed
+only where no invalid instance of the suite gets through, and the soundness
+property test (tests/grammar/test_soundness.py) walks random token paths of
+accepted schemas and validates every completed string.
+"""
+
+from __future__ import annotations
+
+# Keywords that never change whether an instance is valid (annotations, identifiers).
+ANNOTATIONS = frozenset(
+    {
+        "$schema",
+        "$id",
+        "$comment",
+        "$anchor",
+        "$vocabulary",
+        "title",
+        "description",
+        "default",
+        "examples",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "contentEncoding",
+        "contentMediaType",
+        "contentSchema",
+    }
+)
+# Keywords whose value is a schema, a list of schemas or a mapping of names to schemas.
+SUBSCHEMA = (
+    "items",
+    "additionalProperties",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "dependentSchemas")
+
+# Keywords a context-free grammar cannot enforce ("not this", "all different", "if
+# this then that") or that neither library implements.
+NEVER = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "dependentSchemas",
+        "dependentRequired",
+        "$dynamicRef",
+        "$dynamicAnchor",
+        "unevaluatedItems",
+    }
+)
+# What each library leaves out, found by the Test Suite (module docstring):
+# - llguidance refuses by itself what it does not implement, but without saying where;
+#   these are refused here first, with their place;
+# - xgrammar drops `allOf`, reads `oneOf` as `anyOf`, ignores a type's keywords in a
+#   schema without "type" and drops the length bounds beside a `pattern` or a `format`.
+REFUSED = {
+    "llguidance": frozenset({"oneOf", "propertyNames"}),
+    "xgrammar": frozenset(
+        {"allOf", "oneOf", "propertyNames", "patternProperties", "unevaluatedProperties"}
+    ),
+}
+# The formats each library enforces soundly by itself (its own patterns admit only
+# strings the Test Suite calls valid).
+NATIVE_FORMATS = {
+    "llguidance": frozenset({"email", "ipv4", "ipv6", "uuid", "uri", "duration"}),
+    "xgrammar": frozenset(),
+}
+# Formats both libraries let through invalid strings of (February 29th of 2021, a leap
+# second at 22:59): given to the library as these patterns instead, which admit a
+# subset of RFC 3339's strings (no leap seconds, upper-case T and Z) and only valid ones.
+_YEAR = "([0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"  # not 0000
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|([2468][048]|[13579][26]|0[48])00)"
+_DATE = (
+    f"({_YEAR}-(0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])"
+    f"|{_YEAR}-(0[13-9]|1[0-2])-(29|30)"
+    f"|{_YEAR}-(0[13578]|1[02])-31"
+    f"|{_LEAP_YEAR}-02-29)"
+)
+_TIME = (
+    "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+)
+FORMAT_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$"}
+
+# The keywords that constrain one JSON type only (they pass any value of another type).
+TYPE_KEYWORDS = {
+    "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
+    "number": frozenset(
+        {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+    ),
+    "array": frozenset({"items", "prefixItems", "minItems", "maxItems"}),
+    "object": frozenset(
+        {"properties", "required", "additionalProperties", "minProperties", "maxProperties"}
+    ),
+}
+
+
+class SchemaRefused(ValueError):
+    """A schema the backend would enforce only in part; the message names the keyword
+    (quoted first) and its place."""
+
+
+def enforceable_schema(schema: object, backend: str) -> object:
+    """The schema to give `backend`: `schema` itself, or with each `format` of
+    FORMAT_PATTERNS as its pattern and, for xgrammar, the "type" that a schema without
+    one implies (only a type's keywords; admitting less is sound). Raises
+    `SchemaRefused` for the first keyword `backend` would not enforce whole.
+
+    Example:
+        >>> enforceable_schema({"type": "array", "uniqueItems": True}, "xgrammar")
+        Traceback (most recent call last):
+        ...
+        decodespec.reference.schema_policy.SchemaRefused: 'uniqueItems' at /: ...
+    """
+    return _walk(schema, backend, "")
+
+
+def _refuse(keyword: str, where: str, why: str) -> SchemaRefused:
+    return SchemaRefused(f"{keyword!r} at {where or '/'}: {why}")
+
+
+def _walk(schema: object, backend: str, where: str) -> object:
+    if not isinstance(schema, dict):
+        return schema
+    for keyword in schema:
+        if keyword in NEVER:
+            raise _refuse(keyword, where, "a grammar cannot enforce it")
+        if keyword in REFUSED[backend]:
+            raise _refuse(keyword, where, f"{backend} does not enforce it")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        raise _refuse("$ref", where, f"{ref!r}: only JSON pointers inside the schema (#/...)")
+    if where and "$id" in schema:
+        raise _refuse("$id", where, "a nested resource changes what '#/...' points to")
+    out = dict(schema)
+    if "format" in schema:
+        _format(out, backend, where)
+    if backend == "xgrammar":
+        _xgrammar_node(out, where)
+    for key in SUBSCHEMA:
+        if key in out:
+            out[key] = _walk(out[key], backend, f"{where}/{key}")
+    for key in SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_walk(v, backend, f"{where}/{key}/{i}") for i, v in enumerate(out[key])]
+    for key in SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {
+                name: _walk(v, backend, f"{where}/{key}/{_escape(name)}")
+                for name, v in out[key].items()
+            }
+    return out
+
+
+def _format(node: dict, backend: str, where: str) -> None:
+    name = node["format"]
+    if name in FORMAT_PATTERNS:
+        if "pattern" in node:
+            raise _refuse("format", where, f"{name!r} with 'pattern': {backend} enforces one")
+        node["pattern"] = FORMAT_PATTERNS[name]
+        del node["format"]
+    elif name not in NATIVE_FORMATS[backend]:
+        raise _refuse("format", where, f"{name!r}: {backend} does not enforce this format")
+
+
+def _xgrammar_node(node: dict, where: str) -> None:
+    """xgrammar's gaps inside one schema: an implied type made explicit, and the
+    combinations it drops refused."""
+    if "type" not in node:
+        implied = [t for t, keywords in TYPE_KEYWORDS.items() if keywords & node.keys()]
+        if len(implied) > 1:
+            keyword = sorted(TYPE_KEYWORDS[implied[1]] & node.keys())[0]
+            raise _refuse(keyword, where, "xgrammar needs a 'type' beside keywords of two types")
+        if implied:
+            node["type"] = implied[0]
+    for bound in ("minLength", "maxLength"):
+        if bound in node and "pattern" in node:
+            raise _refuse(bound, where, "with 'pattern' (or a date/time format): xgrammar drops it")
+    if "multipleOf" in node and not (
+        node.get("type") == "integer" and isinstance(node["multipleOf"], int)
+    ):
+        raise _refuse("multipleOf", where, "xgrammar enforces integer ones on integers only")
+    missing = [name for name in node.get("required", ()) if name not in node.get("properties", {})]
+    if missing:
+        raise _refuse(
+            "required", where, f"{missing[0]!r} is not in 'properties': xgrammar drops it"
+        )
+
+
+def _escape(name: str) -> str:
+    """A JSON pointer token (RFC 6901)."""
+    return name.replace("~", "~0").replace("/", "~1")

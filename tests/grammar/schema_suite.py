@@ -1,0 +1,156 @@
+"""The JSON Schema Test Suite (draft 2020-12) run through the grammar stage, no model.
+
+For every case (a schema and instances marked valid or invalid) and a grammar
+backend: the schema is checked as a request's would be (`Grammars.compile`);
+a refused schema is counted under the keyword its error names. For an accepted
+one, each instance is written in the grammar's layout (`layout_json`: the
+schema's property order, `json.dumps`'s separators) and fed to a fresh matcher
+token by token, then the stop token:
+- an *invalid* instance the matcher takes whole is a soundness failure
+  (MASK-SOUND-1: must never happen);
+- a *valid* instance it refuses is a completeness miss, counted per keyword
+  (a grammar may admit less than its schema: a fixed key order, a bounded
+  whitespace, integers written without a fraction).
+
+`tests/grammar/test_schema_test_suite.py` runs a fast subset in `make test`;
+`make bench-structured` runs it whole for each backend (`run_suite`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+
+SUITE = Path(__file__).parent / "data" / "json-schema-test-suite"
+# Keywords that only annotate (never change validity): not worth a column of their own.
+ANNOTATIONS = frozenset(
+    {"$schema", "$id", "$comment", "title", "description", "default", "examples", "$anchor"}
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One schema of the suite with its instances: (description, data, valid)."""
+
+    group: str  # the file, e.g. "maxLength" or "format/email"
+    description: str
+    schema: Any
+    instances: tuple[tuple[str, Any, bool], ...]
+
+    @property
+    def id(self) -> str:
+        return f"{self.group}: {self.description}"
+
+
+def cases(groups: set[str] | None = None) -> Iterator[Case]:
+    """The suite's cases, file by file (`groups`: only those files)."""
+    for path in sorted(SUITE.rglob("*.json")):
+        group = path.relative_to(SUITE).with_suffix("").as_posix()
+        if groups is not None and group not in groups:
+            continue
+        for entry in json.loads(path.read_text()):
+            yield Case(
+                group,
+                entry["description"],
+                entry["schema"],
+                tuple((t["description"], t["data"], t["valid"]) for t in entry["tests"]),
+            )
+
+
+def layout_json(value: Any, schema: Any = None) -> str:
+    """`value` as JSON text in the grammar's layout: properties in the order the schema
+    lists them (others after, as they come), `json.dumps`'s separators, integral floats
+    without a fraction (1.0 is the integer 1 under JSON Schema)."""
+    if isinstance(value, dict):
+        order = schema.get("properties", {}) if isinstance(schema, dict) else {}
+        keys = [k for k in order if k in value] + [k for k in value if k not in order]
+        parts = [
+            f"{json.dumps(k, ensure_ascii=False)}: {layout_json(value[k], order.get(k))}"
+            for k in keys
+        ]
+        return "{" + ", ".join(parts) + "}"
+    if isinstance(value, list):
+        items = schema.get("items") if isinstance(schema, dict) else None
+        prefix = schema.get("prefixItems", []) if isinstance(schema, dict) else []
+        return (
+            "["
+            + ", ".join(
+                layout_json(v, prefix[i] if i < len(prefix) else items) for i, v in enumerate(value)
+            )
+            + "]"
+        )
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return str(int(value))
+    return json.dumps(value, ensure_ascii=False)
+
+
+def matcher_accepts(grammars: Grammars, compiled: Any, text: str) -> bool:
+    """Whether a fresh matcher of `compiled` takes `text` (any tokenization of it: the
+    tokenizer's) and then a stop token."""
+    matcher = grammars.backend.matcher(compiled)
+    tokenizer = grammars.tokenizer
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not matcher.accept_token(token):
+            return False
+    return matcher.accept_token(tokenizer.eos_token_ids[0])
+
+
+def refused_keyword(message: str) -> str:
+    """The keyword a refusal names (schema_policy's messages quote it first)."""
+    start = message.find("'")
+    end = message.find("'", start + 1)
+    return message[start + 1 : end] if 0 <= start < end else "other"
+
+
+@dataclass
+class SuiteResult:
+    """Counts per group (the suite's file: a keyword, or format/NAME)."""
+
+    backend: str
+    cases: Counter = field(default_factory=Counter)
+    refused: Counter = field(default_factory=Counter)  # group -> schemas refused
+    refused_by_keyword: Counter = field(default_factory=Counter)
+    invalid: Counter = field(default_factory=Counter)  # group -> invalid instances run
+    unsound: list = field(default_factory=list)  # (case id, instance description, text)
+    valid: Counter = field(default_factory=Counter)
+    accepted: Counter = field(default_factory=Counter)  # valid instances accepted
+    misses: list = field(default_factory=list)  # (case id, instance description, text)
+
+
+def run_suite(grammars: Grammars, groups: set[str] | None = None) -> SuiteResult:
+    result = SuiteResult(grammars.backend.name)
+    for case in cases(groups):
+        result.cases[case.group] += 1
+        output = StructuredOutput.json_schema(case.schema, field="schema")
+        try:
+            compiled = grammars.compile(output)
+        except GrammarError as error:
+            result.refused[case.group] += 1
+            result.refused_by_keyword[refused_keyword(str(error))] += 1
+            continue
+        for description, data, valid in case.instances:
+            text = layout_json(data, case.schema)
+            accepted = matcher_accepts(grammars, compiled, text)
+            if valid:
+                result.valid[case.group] += 1
+                result.accepted[case.group] += accepted
+                if not accepted:
+                    result.misses.append((case.id, description, text))
+            else:
+                result.invalid[case.group] += 1
+                if accepted:
+                    result.unsound.append((case.id, description, text))
+    return result
+
+
+def empty_row(grammars: Grammars) -> torch.Tensor:
+    return torch.zeros((grammars.vocab_size + 31) // 32, dtype=torch.int32)
