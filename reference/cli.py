@@ -31,7 +31,9 @@ from decodespec.spec.softmax import softmax
 from . import loader, perplexity
 from .backend import BACKENDS, SERVE_BACKEND, get_backend
 from .engine import Engine
+from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from .grammar import StructuredOutput
+from .grammar_backends import BACKENDS as GRAMMAR_BACKENDS
 from .model_files import bundled_model_path
 from .request import RequestOutput
 from .tokenizer import Tokenizer
@@ -248,6 +250,7 @@ def generate(args: argparse.Namespace) -> int:
         speculate=speculate,
         num_draft=args.num_draft,
         draft_model=draft_model,
+        grammar_backend=args.grammar_backend,
     )
     del weights  # the engine holds the backend's copy (weight_formats)
     print(f"weights: {describe(engine.weights)}", file=sys.stderr)
@@ -356,6 +359,7 @@ def serve(args: argparse.Namespace) -> int:
         speculate=speculate,
         num_draft=args.num_draft,
         draft_model=draft_model.to(device) if draft_model is not None else None,
+        grammar_backend=args.grammar_backend,
     )
     del weights, draft_model  # the engine holds the backend's copies (weight_formats)
     print(f"weights: {describe(engine.weights)}", file=sys.stderr)
@@ -444,6 +448,15 @@ def add_weights_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_grammar_backend_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--grammar-backend",
+        choices=GRAMMAR_BACKENDS,
+        default=DEFAULT_GRAMMAR_BACKEND,
+        help=f"the library that compiles structured outputs (default {DEFAULT_GRAMMAR_BACKEND})",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="decodespec", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -496,11 +509,12 @@ def _parser() -> argparse.ArgumentParser:
     constraint.add_argument("--json-object", action="store_true", help="any JSON object")
     constraint.add_argument("--regex", metavar="REGEX", help="text this regular expression matches")
     constraint.add_argument(
-        "--grammar", metavar="FILE", help="text of this EBNF grammar (xgrammar's GBNF, rule root)"
+        "--grammar", metavar="FILE", help="text of this EBNF grammar (llama.cpp's GBNF, rule root)"
     )
     constraint.add_argument(
         "--choice", action="append", metavar="TEXT", help="one of these strings (repeatable)"
     )
+    add_grammar_backend_flag(gen)
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.add_argument(
@@ -533,6 +547,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--speculate", metavar="DRAFTER", help="as for generate")
     srv.add_argument("--num-draft", type=int, default=4, metavar="K")
+    add_grammar_backend_flag(srv)
     srv.set_defaults(run=serve)
 
     perplexity.add_command(commands)

@@ -35,6 +35,7 @@ from .backend import check_backend_device, get_backend
 from .block_manager import BlockManager, NaiveBlockManager
 from .cache import PagedKVCache
 from .drafters import Drafter, make_drafter
+from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from .grammar import GrammarError, Grammars, StructuredOutput
 from .logits_state import LogitsState
 from .request import Draft, PassOutcome, Request, RequestOutput, RequestStepOutput
@@ -79,6 +80,8 @@ class Engine:
             "layers:N" (the model's first N layers) or "model" (`draft_model`).
         num_draft: K >= 1, the most draft tokens per request and step.
         draft_model: the second model of `speculate="model"` (same vocabulary).
+        grammar_backend: the library that compiles structured outputs, "llguidance"
+            (the default) or "xgrammar" (`grammar_backends.py`).
 
     Example (see `generate` for one request):
         >>> engine = Engine(weights, tokenizer)                    # doctest: +SKIP
@@ -102,6 +105,7 @@ class Engine:
         speculate: str | None = None,
         num_draft: int = 4,
         draft_model: ModelWeights | None = None,
+        grammar_backend: str = DEFAULT_GRAMMAR_BACKEND,
     ) -> None:
         for name, flag in (("naive", naive), ("prefix_caching", prefix_caching)):
             if not isinstance(flag, bool):
@@ -130,7 +134,7 @@ class Engine:
             draft_model = self.backend.prepare_weights(draft_model)
         self.weights = weights
         self.sampler = Sampler(self.backend, self.config.vocab_size, self.eos_token_ids)
-        self.grammars = Grammars(tokenizer, self.config.vocab_size)
+        self.grammars = Grammars(tokenizer, self.config.vocab_size, grammar_backend)
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner
         if naive:

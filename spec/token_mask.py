@@ -107,6 +107,35 @@ first), "length" when max_tokens or the context runs out before the grammar
 is complete; the output is then the partial text, which is no complete
 string of the language.
 
+Grammars from JSON Schema
+-------------------------
+[MASK-SOUND-1] Soundness before coverage: every string that a grammar
+compiled from a JSON Schema admits, up to its stop token, validates against
+that schema (Draft 2020-12, with format assertions). A schema that uses a
+keyword the grammar library would enforce only in part, or not at all (a
+library that drops `maxLength` beside `pattern` with a warning, reads `oneOf`
+as `anyOf`, or checks a `date` format without leap years), is refused before
+any model work with an error naming the keyword and its JSON pointer
+(`'maxLength' at /properties/username`): never an answer that finishes
+"stop" and breaks its schema. A grammar may admit fewer strings than its
+schema (a fixed property order, bounded whitespace, no leap seconds): what it
+covers is measured (the JSON Schema Test Suite, JSONSchemaBench), not
+promised.
+
+[MASK-JSON-1] JSON layout: wherever JSON allows whitespace (around
+structural characters), a JSON grammar allows a run of at most a bounded
+number of whitespace characters (the engine's `MAX_JSON_WHITESPACE`), so a
+model can lay an object out on lines, as it learned, but cannot spend its
+`max_tokens` on blank lines; elsewhere the text is JSON's own.
+
+[MASK-KEYS-1] JSON output never repeats a key within one object: a token
+that would complete a key the same object already has is disallowed, keys
+compared after unescaping (`"a"` and `"\\u0061"` are one key); nested objects
+have keys of their own. A context-free grammar cannot say this, so the
+engine's matcher tracks the keys beside the grammar. Parsers disagree on
+duplicate keys (the first wins, the last wins, an error), and OpenAI's JSON
+mode never emits them.
+
 [MASK-VALID-1] Invalid arguments raise `ValueError` naming the argument:
 `logits` `[batch, vocab]` with a floating-point dtype and at least one
 column (SAMPLE-VALID-3); `bitmask` 2-D `[batch, words]` with logits' batch,

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
 
 SUITE = Path(__file__).parent / "data" / "json-schema-test-suite"
@@ -150,7 +148,3 @@ def run_suite(grammars: Grammars, groups: set[str] | None = None) -> SuiteResult
                 if accepted:
                     result.unsound.append((case.id, description, text))
     return result
-
-
-def empty_row(grammars: Grammars) -> torch.Tensor:
-    return torch.zeros((grammars.vocab_size + 31) // 32, dtype=torch.int32)

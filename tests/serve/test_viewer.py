@@ -12,9 +12,15 @@ server serves, generates a greedy answer and checks that:
 - TTFT and tokens/s show numbers, and the page renders (a screenshot with
   many colours);
 - a bad parameter (top_p = 5) shows the server's error, naming top_p;
-- with "Constrain to JSON" checked the answer is the server's JSON object, and
+- constrained to "any JSON object" the answer is the server's JSON object, and
   a token's candidates mark, in words, exactly the alternatives the server
-  reports the grammar removed (`allowed: false`).
+  reports the grammar removed (`allowed: false`);
+- constrained to "a JSON Schema" the page shows its schema box (prefilled with
+  a strict schema), sends the schema as `response_format` `json_schema`, and
+  the answer is the server's, valid under the schema, its removed alternatives
+  marked the same way;
+- a schema that is not JSON, or not an object, is said next to the box and
+  nothing is sent; a schema the server refuses shows the server's message.
 
 `tests/serve/viewer_screenshot.py` holds the steps (and makes the docs' picture).
 """
@@ -31,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from jsonschema import Draft202012Validator
 
 from tests.browser import MIN_DISTINCT_COLOURS, browser_for_test, distinct_colours
 from tests.serve.live import MODEL, LiveServer
@@ -43,7 +50,14 @@ from tests.serve.viewer_screenshot import (
 )
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Page, Route
+    from playwright.sync_api import (
+        Browser,
+        BrowserContext,
+        ConsoleMessage,
+        Page,
+        Request,
+        Route,
+    )
 
 PROMPT = "Name three colours."
 MAX_TOKENS = 12
@@ -53,6 +67,20 @@ MAX_TOKENS = 12
 JSON_PROMPT = "Return a JSON object with the keys city and country for Paris."
 JSON_MAX_TOKENS = 60
 JSON_SEED = 7
+# A strict schema (OpenAI's rules: every property required, no others). Greedy under
+# it, the model answers this prompt with a short object (about 25 tokens, finish
+# "stop").
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "population": {"type": "integer", "minimum": 0},
+    },
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+SCHEMA_PROMPT = "Return a JSON object with the city Paris and its population."
+SCHEMA_MAX_TOKENS = 48
 PAGE_TIMEOUT_MS = 30_000
 
 # Records the number of token spans each time #output changes, until the status says done.
@@ -83,6 +111,8 @@ class Viewer:
     context: BrowserContext
     problems: list[str] = field(default_factory=list)
     foreign: list[str] = field(default_factory=list)
+    # The bodies of the chat requests the page sent, in order.
+    chats: list[dict] = field(default_factory=list)
 
 
 @pytest.fixture
@@ -106,10 +136,12 @@ def viewer(browser: Browser, live_server: LiveServer) -> Iterator[Viewer]:
         if message.type == "error":
             seen.problems.append(f"console error: {message.text} ({message.location})")
 
-    def on_request(request: object) -> None:
-        url = request.url  # type: ignore[attr-defined]
+    def on_request(request: Request) -> None:
+        url = request.url
         if not url.startswith(live_server.url + "/") and not url.startswith("data:"):
             seen.foreign.append(url)
+        if url == f"{live_server.url}/v1/chat/completions":
+            seen.chats.append(request.post_data_json)
 
     context.route("**/*", route)
     page.on("request", on_request)
@@ -157,6 +189,28 @@ def percent(text: str) -> float:
     match = re.search(r"([<>]?)(\d+(?:\.\d+)?)%", text)
     assert match, f"no percentage in {text!r}"
     return float(match.group(2)) / 100
+
+
+def check_removed_marks(page: Page, steps: list[dict]) -> None:
+    """Every token's candidates, raw (none has p = 0, so all are listed, in order), say
+    "removed by grammar", struck through, for exactly the server's `allowed = false`."""
+    assert page.locator("#output .token").count() == len(steps)
+    assert any(not alt["allowed"] for step in steps for alt in step["top_logprobs"]), (
+        "the grammar removed none of the model's alternatives: nothing to mark"
+    )
+    for i, step in enumerate(steps):
+        page.mouse.move(0, 0)  # off the answer: the last token's panel must not cover this one
+        panel = hover_token(page, i)
+        rows = panel.locator(".cand-list").first.evaluate(CANDIDATE_ROWS_JS)
+        assert len(rows) == len(step["top_logprobs"]), f"token {i}: {rows}"
+        for row, alt in zip(rows, step["top_logprobs"], strict=True):
+            # Not bit-equal: the second request reads the first's cached prompt blocks.
+            assert math.isclose(row["prob"], math.exp(alt["logprob"]), rel_tol=1e-3), (i, row, alt)
+            removed = not alt["allowed"]
+            assert ("removed by grammar" in row["text"]) == removed, (i, row, alt)
+            assert row["struck"] == removed, (i, row, alt)
+        assert panel.locator(".candidate.chosen").count() == 1
+        assert "removed by grammar" not in panel.locator(".candidate.chosen").inner_text()
 
 
 def test_viewer_streams_the_real_tokens(viewer: Viewer, live_server: LiveServer, tmp_path: Path):
@@ -237,30 +291,112 @@ def test_viewer_constrains_the_answer_to_json(viewer: Viewer, live_server: LiveS
     )  # fmt: skip
     assert choice["finish_reason"] == "stop"
     assert text == choice["message"]["content"]
-    steps = choice["logprobs"]["content"]
-    assert page.locator("#output .token").count() == len(steps)
-    assert any(not alt["allowed"] for step in steps for alt in step["top_logprobs"]), (
-        "the grammar removed none of the model's alternatives: nothing to mark"
-    )
-
-    # Every token's candidates (raw: none has p = 0, so all are listed, in order) say
-    # "removed by grammar", struck through, for exactly the server's allowed = false.
-    for i, step in enumerate(steps):
-        page.mouse.move(0, 0)  # off the answer: the last token's panel must not cover this one
-        panel = hover_token(page, i)
-        rows = panel.locator(".cand-list").first.evaluate(CANDIDATE_ROWS_JS)
-        assert len(rows) == len(step["top_logprobs"]), f"token {i}: {rows}"
-        for row, alt in zip(rows, step["top_logprobs"], strict=True):
-            # Not bit-equal: the second request reads the first's cached prompt blocks.
-            assert math.isclose(row["prob"], math.exp(alt["logprob"]), rel_tol=1e-3), (i, row, alt)
-            removed = not alt["allowed"]
-            assert ("removed by grammar" in row["text"]) == removed, (i, row, alt)
-            assert row["struck"] == removed, (i, row, alt)
-        assert panel.locator(".candidate.chosen").count() == 1
-        assert "removed by grammar" not in panel.locator(".candidate.chosen").inner_text()
+    assert viewer.chats[-1]["response_format"] == {"type": "json_object"}
+    check_removed_marks(page, choice["logprobs"]["content"])
 
     assert viewer.foreign == [], f"requests to other hosts: {viewer.foreign}"
     assert viewer.problems == [], "\n".join(viewer.problems)
+
+
+def test_viewer_constrains_the_answer_to_a_json_schema(viewer: Viewer, live_server: LiveServer):
+    page = viewer.page
+    open_viewer(page, live_server.url)
+
+    # The schema box shows only when "a JSON Schema" is chosen, prefilled with a schema
+    # OpenAI's strict mode accepts; both are labelled.
+    assert not page.is_visible("#schema-box")
+    constraint = page.get_by_label("Constrain to")
+    assert constraint.evaluate("select => select.id") == "constraint"
+    constraint.select_option("json_schema")
+    assert page.is_visible("#schema-box")
+    box = page.get_by_label("JSON Schema")
+    assert box.evaluate("box => box.id") == "schema"
+    example = json.loads(box.input_value())
+    Draft202012Validator.check_schema(example)
+    assert example["type"] == "object" and example["additionalProperties"] is False
+    assert sorted(example["required"]) == sorted(example["properties"])
+    constraint.select_option("json_object")
+    assert not page.is_visible("#schema-box")
+
+    status = generate(
+        page, SCHEMA_PROMPT, temperature=0, top_k=0, top_p=1, max_tokens=SCHEMA_MAX_TOKENS,
+        mode="raw", schema=SCHEMA,
+    )  # fmt: skip
+    assert status == "done"
+    assert "stop" in page.inner_text("#finish")
+    assert page.is_visible("#grammar-note")
+    assert "JSON Schema" in page.inner_text("#grammar-note")
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "viewer", "strict": True, "schema": SCHEMA},
+    }
+    assert len(viewer.chats) == 1
+    assert viewer.chats[0]["response_format"] == response_format
+
+    # The page's answer fits the schema, and is the one the server gives the same request.
+    text = page.eval_on_selector("#output", "output => output.textContent")
+    Draft202012Validator(SCHEMA).validate(json.loads(text))
+    choice = server_choice(
+        live_server, SCHEMA_PROMPT, SCHEMA_MAX_TOKENS, response_format=response_format,
+        logprobs=True, top_logprobs=10, logprobs_mode="raw",
+    )  # fmt: skip
+    assert choice["finish_reason"] == "stop"
+    assert text == choice["message"]["content"]
+    check_removed_marks(page, choice["logprobs"]["content"])
+
+    assert viewer.foreign == [], f"requests to other hosts: {viewer.foreign}"
+    assert viewer.problems == [], "\n".join(viewer.problems)
+
+
+def schema_error(page: Page) -> str:
+    """The error said next to the schema box ("" when none shows)."""
+    return page.inner_text("#schema-error") if page.is_visible("#schema-error") else ""
+
+
+def test_viewer_refuses_a_bad_schema(viewer: Viewer, live_server: LiveServer):
+    page = viewer.page
+    open_viewer(page, live_server.url)
+
+    # Not JSON, or JSON but not an object: said next to the box, and nothing is sent.
+    for text, words in [
+        ('{"type": "object",', "not valid JSON"),
+        ('[{"type": "object"}]', "must be a JSON object"),
+        ('"object"', "must be a JSON object"),
+    ]:
+        status = generate(page, PROMPT, temperature=0, max_tokens=MAX_TOKENS, schema=text)
+        assert words in schema_error(page), (text, schema_error(page))
+        assert words in status
+        assert "invalid" in (page.get_attribute("#schema", "class") or "")
+        assert page.get_attribute("#schema", "aria-invalid") == "true"
+        assert page.locator("#output .token").count() == 0
+    assert viewer.chats == [], "a request was sent for a schema that is not a JSON object"
+    # Editing the schema clears its error.
+    page.fill("#schema", json.dumps(SCHEMA))
+    assert schema_error(page) == ""
+    assert "invalid" not in (page.get_attribute("#schema", "class") or "")
+
+    # A schema the server refuses (a grammar cannot enforce "not"): the server's message,
+    # naming the keyword, in the status and next to the box.
+    refused = {"not": {"type": "string"}}
+    status = generate(page, PROMPT, temperature=0, max_tokens=MAX_TOKENS, schema=refused)
+    # The server's own answer to the body the page sent.
+    response = httpx.post(
+        f"{live_server.url}/v1/chat/completions", json=viewer.chats[-1], timeout=60
+    )
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "'not'" in message
+    assert status == message
+    assert "error" in (page.get_attribute("#status", "class") or "")
+    assert schema_error(page) == message
+    assert "invalid" in (page.get_attribute("#schema", "class") or "")
+    assert page.locator("#output .token").count() == 0
+    assert len(viewer.chats) == 1
+
+    assert viewer.foreign == [], f"requests to other hosts: {viewer.foreign}"
+    # The 400 itself is the one console error a failed fetch logs; nothing else.
+    others = [p for p in viewer.problems if "status of 400" not in p]
+    assert others == [], "\n".join(others)
 
 
 def test_viewer_shows_the_servers_error(viewer: Viewer, live_server: LiveServer):
@@ -278,7 +414,8 @@ def test_viewer_shows_the_servers_error(viewer: Viewer, live_server: LiveServer)
 
 
 def test_capture_saves_a_picture(browser: Browser, live_server: LiveServer, tmp_path: Path):
-    """The docs' screenshot script works: a sampled answer, a token's candidates shown."""
+    """The docs' screenshot script works: a sampled answer under the page's example
+    schema, a token's candidates shown."""
     path = tmp_path / "viewer.png"
     png = capture(live_server.url, path, max_tokens=16, browser=browser)
     assert path.read_bytes() == png

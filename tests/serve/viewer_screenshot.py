@@ -2,7 +2,8 @@
 
     python -m tests.serve.viewer_screenshot docs/images/viewer.png
 
-starts a `LiveServer` with the bundled model, generates an answer at
+starts a `LiveServer` with the bundled model, chooses "Constrain to a JSON
+Schema" (the page's example schema, in its box), generates an answer at
 temperature 0.8 with a fixed seed, hovers a token so that its candidates
 show, and saves a PNG of the page (1000×700). The functions here are the
 steps `tests/serve/test_viewer.py` takes too: `open_viewer()`, `generate()`,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from playwright.sync_api import Browser, Locator, Page
 
 VIEWPORT = {"width": 1000, "height": 700}
-PROMPT = "Write a short poem about the sea."
+PROMPT = "Return a JSON object with the city Paris and its population."
 SEED = 7
 # The model does about 10 tokens/s on two CPU cores; a generation of a few
 # dozen tokens finishes well inside this.
@@ -69,9 +71,17 @@ def fill(
     max_tokens: int | str = 32,
     seed: int | str | None = None,
     mode: str = "processed",
+    constraint: str | None = None,
     json_object: bool = False,
+    schema: str | dict | None = None,
 ) -> None:
-    """Set the prompt, the sampling parameters and "Constrain to JSON" in the form."""
+    """Set the prompt, the sampling parameters and the constraint in the form.
+
+    `constraint` is the "Constrain to" option: "none", "json_object" or
+    "json_schema"; `json_object=True` is short for "json_object", and a
+    `schema` (JSON text, or a dict to write as JSON) for "json_schema" with that
+    schema in the box. "json_schema" without a schema keeps the box's text.
+    """
     page.fill("#prompt", prompt)
     page.fill("#temperature", str(temperature))
     page.fill("#top-k", str(top_k))
@@ -79,7 +89,13 @@ def fill(
     page.fill("#max-tokens", str(max_tokens))
     page.fill("#seed", "" if seed is None else str(seed))
     page.select_option("#mode", mode)
-    page.set_checked("#json", json_object)
+    if constraint is None and schema is not None:
+        constraint = "json_schema"
+    elif constraint is None:
+        constraint = "json_object" if json_object else "none"
+    page.select_option("#constraint", constraint)
+    if schema is not None:
+        page.fill("#schema", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 def wait_finished(page: Page, timeout_ms: int = DONE_TIMEOUT_MS) -> str:
@@ -116,12 +132,17 @@ def capture(
     top_p: float = 0.95,
     max_tokens: int = 40,
     seed: int | None = SEED,
+    mode: str = "processed",
+    constraint: str = "json_schema",
+    schema: str | dict | None = None,
     hover: int | None = None,
     browser: Browser | None = None,
 ) -> bytes:
     """Generate an answer in the viewer at `url`, hover a token, and save a PNG at `path`.
 
-    Returns the PNG's bytes. Raises RuntimeError if the generation fails.
+    The answer is constrained as `constraint` says (see `fill`); by default to
+    the JSON Schema in the page's box, shown open. Returns the PNG's bytes.
+    Raises RuntimeError if the generation fails.
     """
     with contextlib.ExitStack() as stack:
         if browser is None:
@@ -138,6 +159,9 @@ def capture(
             top_p=top_p,
             max_tokens=max_tokens,
             seed=seed,
+            mode=mode,
+            constraint=constraint,
+            schema=schema,
         )
         if status != "done":
             raise RuntimeError(f"the viewer's generation failed: {status}")
