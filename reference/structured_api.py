@@ -5,7 +5,11 @@ OpenAI's `response_format`:
 - `{"type": "json_object"}`: any JSON object;
 - `{"type": "json_schema", "json_schema": {"name", "schema", "strict",
   "description"}}`: JSON that fits `schema` (the official client's
-  `chat.completions.parse(response_format=PydanticModel)` sends this).
+  `chat.completions.parse(response_format=PydanticModel)` sends this);
+  without `schema`, any JSON value. With `strict: true`, OpenAI's rules hold
+  (`check_strict`: the root an object, every object closed with
+  `additionalProperties: false` and all its properties required), as OpenAI
+  refuses such a schema with a 400 too.
 
 vLLM's extra body field `structured_outputs`, one of `{"json": schema}`,
 `{"regex": str}`, `{"grammar": EBNF}`, `{"choice": [str, ...]}` or
@@ -19,7 +23,7 @@ errors raised, by the engine when the request is added (`Grammars.compile`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from .grammar import GrammarError, StructuredOutput
 
@@ -73,13 +77,62 @@ def _response_format(value: object) -> StructuredOutput | None:
         raise GrammarError(
             "response_format", "response_format.json_schema.strict must be a boolean"
         )
-    # OpenAI's schema is optional (any JSON then); a strict or not, the output fits it.
-    schema = spec.get("schema", {})
+    field = "response_format.json_schema.schema"
+    if "schema" not in spec:
+        # OpenAI's schema is optional: without one, the answer is any JSON value (the
+        # empty schema), strict or not.
+        return StructuredOutput.json_schema({}, field=field)
+    schema = spec["schema"]
     if not isinstance(schema, dict):
-        raise GrammarError(
-            "response_format", "response_format.json_schema.schema must be an object"
-        )
-    return StructuredOutput.json_schema(schema, field="response_format.json_schema.schema")
+        raise GrammarError("response_format", f"{field} must be an object")
+    if spec.get("strict"):
+        check_strict(schema, field)
+    return StructuredOutput.json_schema(schema, field=field)
+
+
+def check_strict(schema: dict, field: str) -> None:
+    """OpenAI's rules for `strict: true`: the root is an object, and every object in the
+    schema sets `additionalProperties: false` and lists each of its properties in
+    `required` (an optional field is a required one that may be null).
+
+    Raises:
+        GrammarError: naming `field`, the rule and its JSON pointer.
+    """
+    if schema.get("type") != "object":
+        raise GrammarError(field, f"{field}: strict: the root must be an object (type 'object')")
+    for where, node in _subschemas(schema, ""):
+        if node.get("type") != "object" and "properties" not in node:
+            continue
+        if node.get("additionalProperties") is not False:
+            raise GrammarError(
+                field, f"{field}: strict: 'additionalProperties' must be false at {where or '/'}"
+            )
+        missing = [
+            name for name in node.get("properties", {}) if name not in node.get("required", [])
+        ]
+        if missing:
+            raise GrammarError(
+                field, f"{field}: strict: 'required' at {where or '/'} must list every "
+                f"property; {missing[0]!r} is missing",
+            )  # fmt: skip
+
+
+def _subschemas(schema: object, where: str) -> Iterator[tuple[str, dict]]:
+    """Every schema object in `schema` with its JSON pointer, `schema` first."""
+    if not isinstance(schema, dict):
+        return
+    yield where, schema
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(
+            value, dict
+        ):
+            for name, item in value.items():
+                yield from _subschemas(item, f"{where}/{key}/{name}")
+        elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+            for i, item in enumerate(value):
+                yield from _subschemas(item, f"{where}/{key}/{i}")
+        elif key in ("items", "additionalProperties", "not", "contains"):
+            yield from _subschemas(value, f"{where}/{key}")
 
 
 def _structured_outputs(value: object) -> StructuredOutput:

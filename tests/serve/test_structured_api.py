@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from decodespec.reference.structured_api import parse_structured_output
 from tests.serve.test_api import CHAT, check_error, client, engine, sse_payloads, weights
 
 __all__ = ["client", "engine", "weights"]  # the fixtures this module uses
@@ -43,8 +44,8 @@ BAD = [
         "response_format.json_schema.schema",
         "objec",
     ),
-    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "parenthesis"),
-    ({"structured_outputs": {"grammar": 'root ::= "a" |'}}, "structured_outputs.grammar", "EBNF"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
+    ({"structured_outputs": {"grammar": 'root ::= ("a"'}}, "structured_outputs.grammar", "EBNF"),
     (
         {"structured_outputs": {"grammar": 'root ::= root "a"'}},
         "structured_outputs.grammar",
@@ -63,7 +64,35 @@ BAD = [
         "not both",
     ),
     ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
-]
+    # MASK-SOUND-1: a keyword the grammar library would not enforce, named with its place
+    (
+        {"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}},
+        "structured_outputs.json",
+        "'uniqueItems' at /",
+    ),
+    # OpenAI's strict rules, with the JSON pointer of the object at fault
+    *(
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "strict": True, "schema": schema}}},
+            "response_format.json_schema.schema",
+            word,
+        )
+        for schema, word in [
+            ({"type": "array"}, "the root must be an object"),
+            (
+                {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+                "'additionalProperties' must be false at /",
+            ),
+            (
+                {"type": "object", "additionalProperties": False, "required": ["a"],
+                 "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}},
+                                      "additionalProperties": False}}},
+                "'required' at /properties/a must list every property; 'b' is missing",
+            ),
+        ]
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("fields", "param", "word"), BAD)
@@ -165,3 +194,39 @@ def test_a_streamed_constrained_answer_marks_the_alternatives_the_grammar_remove
         for entry in plain["choices"][0]["logprobs"]["content"]
         for alt in entry["top_logprobs"]
     )
+
+
+def test_json_schema_without_a_schema_is_any_json_value(client):
+    # OpenAI's json_schema.schema is optional: without it the answer is any JSON value
+    # (the empty schema), strict or not.
+    for strict in (True, False):
+        fields = {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "any", "strict": strict},
+            }
+        }
+        output = parse_structured_output(fields)
+        assert (output.kind, json.loads(output.source)) == ("json_schema", {})
+        assert chat(client, **fields)["finish_reason"] in ("stop", "length")
+
+
+def test_a_strict_schema_that_follows_openais_rules_is_accepted(client):
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": ["string", "null"]},
+            "b": {"type": "array", "items": {
+                "type": "object", "properties": {"c": {"enum": [1, 2]}}, "required": ["c"],
+                "additionalProperties": False}},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    fields = {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "strict": True, "schema": schema},
+        }
+    }
+    assert chat(client, **fields)["finish_reason"] in ("stop", "length")
