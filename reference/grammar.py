@@ -46,6 +46,7 @@ from decodespec.spec.token_mask import bitmask_words
 
 from .grammar_backends import CompileError, make_backend
 from .schema_policy import SchemaRefused, enforceable_schema
+from .unique_keys import QuoteTokens, UniqueKeys
 
 if TYPE_CHECKING:
     from decodespec.spec.token_mask import TokenMatcher
@@ -131,6 +132,7 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.backend = make_backend(backend, tokenizer, vocab_size)
+        self._quote_tokens: QuoteTokens | None = None  # built with the first JSON grammar
 
     def compile(self, output: StructuredOutput) -> object:
         """The compiled grammar, or `GrammarError` naming the request field: a schema the
@@ -139,7 +141,7 @@ class Grammars:
             schema = check_schema(output.source, output.field, self.backend.name)
             output = dataclasses.replace(output, source=json.dumps(schema))
         try:
-            return self.backend.compile(output)
+            return self.backend.compile(output.kind, output.source, output.choices)
         except CompileError as error:
             raise GrammarError(output.field, f"{output.field}: {error}") from None
 
@@ -148,6 +150,8 @@ class Grammars:
         `GrammarError` if its first step allows no token: the grammar admits no string
         (left recursion without a base case, an empty character class)."""
         matcher = self.backend.matcher(self.compile(output))
+        if output.kind in ("json_schema", "json_object"):
+            matcher = UniqueKeys(matcher, self._json_tokens())  # MASK-KEYS-1
         first = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
         matcher.fill_bitmask(first)  # filling does not advance the matcher
         stop = self.tokenizer.eos_token_ids[0]
@@ -160,6 +164,17 @@ class Grammars:
         if matcher.is_terminated():
             matcher.rollback(1)
         return matcher
+
+    def _json_tokens(self) -> QuoteTokens:
+        if self._quote_tokens is None:
+            special, size = self.tokenizer.special_token_ids, self.tokenizer.vocab_size
+            self._quote_tokens = QuoteTokens(
+                [
+                    b"" if i in special or i >= size else self.tokenizer.token_bytes(i)
+                    for i in range(self.vocab_size)
+                ]
+            )
+        return self._quote_tokens
 
 
 def _allows_text(bitmask: torch.Tensor, stop_token_ids: tuple[int, ...]) -> bool:

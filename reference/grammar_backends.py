@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .grammar import StructuredOutput
     from .tokenizer import Tokenizer
 
 BACKENDS = ("llguidance", "xgrammar")
@@ -111,19 +110,21 @@ class XGrammarBackend:
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
-    def compile(self, output: StructuredOutput) -> object:
+    def compile(self, kind: str, source: str | None, choices: Sequence[str]) -> object:
+        """A grammar of `kind` ("json_schema", "json_object", "regex", "grammar" or
+        "choice") from `source` or `choices`, as `StructuredOutput` holds them."""
         compiler = self._xgrammar_compiler()
         layout = {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
         try:
-            if output.kind == "json_schema":
-                return compiler.compile_json_schema(output.source, **layout)
-            if output.kind == "json_object":
+            if kind == "json_schema":
+                return compiler.compile_json_schema(source, **layout)
+            if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', **layout)
-            if output.kind == "regex":
-                return compiler.compile_regex(output.source)
-            if output.kind == "grammar":
-                return compiler.compile_grammar(output.source)
-            return compiler.compile_grammar(_choice_ebnf(output.choices))
+            if kind == "regex":
+                return compiler.compile_regex(source)
+            if kind == "grammar":
+                return compiler.compile_grammar(source)
+            return compiler.compile_grammar(_choice_ebnf(choices))
         except (RuntimeError, ValueError, TypeError) as error:
             raise CompileError(_message(error)) from None
 
@@ -236,7 +237,8 @@ class LLGuidanceBackend:
             )
         return self._tokenizer
 
-    def compile(self, output: StructuredOutput) -> str:
+    def compile(self, kind: str, source: str | None, choices: Sequence[str]) -> str:
+        """As `XGrammarBackend.compile`; a grammar llguidance warns about is refused."""
         import llguidance
 
         json_layout = {
@@ -244,23 +246,21 @@ class LLGuidanceBackend:
             "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}",
         }
         try:
-            if output.kind == "json_schema":
+            if kind == "json_schema":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    output.source, overrides=json_layout
+                    source, overrides=json_layout
                 )
-            elif output.kind == "json_object":
+            elif kind == "json_object":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     '{"type": "object"}', overrides=json_layout
                 )
-            elif output.kind == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(output.source)
-            elif output.kind == "grammar":
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(source)
+            elif kind == "grammar":
                 # The EBNF dialect is llama.cpp's GBNF, as xgrammar's; llguidance reads Lark.
-                grammar = llguidance.LLMatcher.grammar_from_lark(_lark(output.source))
+                grammar = llguidance.LLMatcher.grammar_from_lark(_lark(source))
             else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(
-                    _lark(_choice_ebnf(output.choices))
-                )
+                grammar = llguidance.LLMatcher.grammar_from_lark(_lark(_choice_ebnf(choices)))
         except (RuntimeError, ValueError, TypeError) as error:
             raise CompileError(_message(error)) from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(

@@ -111,7 +111,10 @@ def test_no_import_cycles_between_modules(package):
 # requests and the block manager, never the runner or the drafters; the sampler is
 # called by the runner and the drafters, and calls nothing above it.
 ENGINE_LAYERS = {
-    "grammar": {"tokenizer"},
+    "grammar": {"grammar_backends", "schema_policy", "tokenizer", "unique_keys"},
+    "grammar_backends": {"tokenizer"},
+    "schema_policy": set(),
+    "unique_keys": set(),
     "logits_state": set(),
     "request": {"block_allocator", "logits_state"},
     "block_manager": {"block_allocator", "request"},

@@ -436,3 +436,21 @@ def test_the_triton_backend_under_grammars_is_the_spec_loop(workload, seed):
     )
     engine = Engine(weights, TOKENIZER, backend="triton", block_size=4, cache_tokens=256)
     check(engine, weights, workload, *run(engine, workload))
+
+
+@pytest.mark.clause("MASK-KEYS-1")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "output",
+    [
+        StructuredOutput("json_object", field="t"),
+        StructuredOutput.json_schema({"type": "object", "additionalProperties": True}, field="t"),
+    ],
+)
+def test_json_matchers_never_repeat_a_key(backend, output):
+    matcher = Grammars(TOKENIZER, VOCAB, backend).matcher(output)
+    for byte in b'{"a": 1, "a':
+        assert matcher.accept_token(byte)
+    assert ord('"') not in allowed(matcher)  # "a" again: refused
+    assert not matcher.accept_token(ord('"'))
+    assert matcher.accept_token(ord("b")) and ord('"') in allowed(matcher)  # "ab" is new
