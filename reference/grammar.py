@@ -73,8 +73,8 @@ class StructuredOutput:
 
     Attributes:
         kind: "json_schema" (`source` is the schema as JSON text), "json_object"
-            (any JSON object; no source), "regex", "grammar" (EBNF, xgrammar's
-            GBNF-compatible dialect, rule `root`) or "choice" (`choices`).
+            (any JSON object; no source), "regex", "grammar" (EBNF, llama.cpp's
+            GBNF dialect, which both libraries read, rule `root`) or "choice" (`choices`).
         source: the schema, expression or grammar text.
         choices: the strings of a "choice", at least one.
         field: the request field it came from, for error messages
