@@ -141,7 +141,7 @@ class _LLGuidanceVocabulary:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_ids[0]
-        self.bos_token_id = tokenizer.bos_token_id
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)  # not every model has one
         self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
         self.special_token_ids = sorted(tokenizer.special_token_ids)
 

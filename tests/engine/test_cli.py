@@ -961,7 +961,7 @@ def test_a_bad_structured_output_flag_exits_2_before_loading(flags, message):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--regex", "a(b"], r"--regex: .*parenthesis"),
+        (["--regex", "a(b"], r"--regex: .*unclosed group"),
         (["--json-schema", '{"type": "objec"}'], r"--json-schema: .*objec"),
         (["--grammar", "{grammar}"], r"--grammar: the grammar admits no string"),
         (["--json-object", "--ignore-eos"], r"ignore_eos cannot be combined"),
