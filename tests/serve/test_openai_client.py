@@ -11,6 +11,7 @@ import json
 import math
 from typing import Literal
 
+import jsonschema
 import openai
 import pydantic
 import pytest
@@ -262,3 +263,28 @@ def test_a_bad_schema_raises_bad_request_naming_the_field(client):
         )
     assert caught.value.body["param"] == "response_format.json_schema.schema"
     assert "objec" in caught.value.body["message"]
+
+
+@pytest.mark.clause("MASK-SOUND-1")
+def test_the_issues_username_schema_answers_within_its_bounds(client):
+    # Issue 37's example: pattern and maxLength together. The grammar library dropped
+    # maxLength (an 11-character username finished "stop"); llguidance enforces both.
+    schema = {
+        "type": "object",
+        "properties": {"username": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 8}},
+        "required": ["username"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Invent a username for John Johnson, as JSON."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "user", "strict": True, "schema": schema},
+        },
+        temperature=0,
+        max_tokens=60,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), schema)
