@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
@@ -993,7 +994,7 @@ def test_json_object_and_json_schema_answers_are_json(model, tmp_path):
         value = json.loads(answer["text"])
         assert isinstance(value, dict)
         if "--json-schema" in flags:
-            assert set(value) == {"name", "population"} and isinstance(value["population"], int)
+            jsonschema.validate(value, schema)  # other properties are allowed: not closed
     plain = json.loads(run_cli(model, "generate", PARIS, *sampled).out)
     with pytest.raises(json.JSONDecodeError):
         json.loads(plain["text"])

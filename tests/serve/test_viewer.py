@@ -375,9 +375,15 @@ def test_viewer_refuses_a_bad_schema(viewer: Viewer, live_server: LiveServer):
     assert schema_error(page) == ""
     assert "invalid" not in (page.get_attribute("#schema", "class") or "")
 
-    # A schema the server refuses (a grammar cannot enforce "not"): the server's message,
-    # naming the keyword, in the status and next to the box.
-    refused = {"not": {"type": "string"}}
+    # A schema the server refuses (a grammar cannot enforce "not"; the rest follows
+    # OpenAI's strict rules): the server's message, naming the keyword and its place, in
+    # the status and next to the box.
+    refused = {
+        "type": "object",
+        "properties": {"a": {"not": {"type": "string"}}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     status = generate(page, PROMPT, temperature=0, max_tokens=MAX_TOKENS, schema=refused)
     # The server's own answer to the body the page sent.
     response = httpx.post(
@@ -385,7 +391,7 @@ def test_viewer_refuses_a_bad_schema(viewer: Viewer, live_server: LiveServer):
     )
     assert response.status_code == 400
     message = response.json()["error"]["message"]
-    assert "'not'" in message
+    assert "'not' at /properties/a" in message
     assert status == message
     assert "error" in (page.get_attribute("#status", "class") or "")
     assert schema_error(page) == message
