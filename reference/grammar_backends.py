@@ -30,10 +30,13 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 BACKENDS = ("llguidance", "xgrammar")
-# Whitespace wherever JSON allows it, at most this many characters in one place: a small
-# model writes a newline and an indent after "{" (forbidding all whitespace drove
-# SmolLM2-135M off what it learned: `{", ": 1174…`), but with 24 it filled whole answers
-# with newlines until max_tokens (`"servings": \n \n \n\n\n1…`).
+# At most this many whitespace characters wherever JSON allows whitespace. Measured by
+# `make bench-structured` on the bundled model (50 prompts, 4 schemas, llguidance):
+# bounds of 0, 1, 4 and 24 all gave 100% schema-valid answers that finished "stop"; 0
+# took the fewest tokens (31.9 an answer against 38.7), but xgrammar's compact layout
+# refuses `{"a":[1,2]}` under {"type": "object"} (it wants ", " inside the nested
+# array), and 1 has the model write `"x"\n,"age"`. 4 keeps the layout the model learned
+# (a newline and an indent) and no room for the runs of blank lines that 24 allowed.
 MAX_JSON_WHITESPACE = 4
 
 # xgrammar's C++ errors start with a time stamp and a source location:

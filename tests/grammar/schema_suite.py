@@ -4,7 +4,7 @@ For every case (a schema and instances marked valid or invalid) and a grammar
 backend: the schema is checked as a request's would be (`Grammars.compile`);
 a refused schema is counted under the keyword its error names. For an accepted
 one, each instance is written in the grammar's layout (`layout_json`: the
-schema's property order, `json.dumps`'s separators) and fed to a fresh matcher
+schema's property order, compact) and fed to a fresh matcher
 token by token, then the stop token:
 - an *invalid* instance the matcher takes whole is a soundness failure
   (MASK-SOUND-1: must never happen);
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -66,22 +67,22 @@ def cases(groups: set[str] | None = None) -> Iterator[Case]:
 
 def layout_json(value: Any, schema: Any = None) -> str:
     """`value` as JSON text in the grammar's layout: properties in the order the schema
-    lists them (others after, as they come), `json.dumps`'s separators, integral floats
-    without a fraction (1.0 is the integer 1 under JSON Schema)."""
+    lists them (others after, as they come), no whitespace (any `MAX_JSON_WHITESPACE`
+    takes that), integral floats without a fraction (1.0 is the integer 1 under JSON Schema)."""
     if isinstance(value, dict):
         order = schema.get("properties", {}) if isinstance(schema, dict) else {}
         keys = [k for k in order if k in value] + [k for k in value if k not in order]
         parts = [
-            f"{json.dumps(k, ensure_ascii=False)}: {layout_json(value[k], order.get(k))}"
+            f"{json.dumps(k, ensure_ascii=False)}:{layout_json(value[k], order.get(k))}"
             for k in keys
         ]
-        return "{" + ", ".join(parts) + "}"
+        return "{" + ",".join(parts) + "}"
     if isinstance(value, list):
         items = schema.get("items") if isinstance(schema, dict) else None
         prefix = schema.get("prefixItems", []) if isinstance(schema, dict) else []
         return (
             "["
-            + ", ".join(
+            + ",".join(
                 layout_json(v, prefix[i] if i < len(prefix) else items) for i, v in enumerate(value)
             )
             + "]"
@@ -102,11 +103,48 @@ def matcher_accepts(grammars: Grammars, compiled: Any, text: str) -> bool:
     return matcher.accept_token(tokenizer.eos_token_ids[0])
 
 
+# The libraries' own refusals, which name no keyword in quotes first, and what they refuse.
+_LIBRARY_REFUSALS = (
+    (re.compile(r'Unimplemented keys: \["([^"]+)"'), None),  # llguidance: the keyword
+    (re.compile(r"^Unknown format\b"), "format"),
+    (re.compile(r"^(\w+) constraints are not supported"), None),
+    (re.compile(r"^patternProperty regexes\b"), "patternProperties"),
+    (
+        re.compile(r"Unsatisfiable schema|Schema 'false' cannot|must not be empty"),
+        "(unsatisfiable)",
+    ),
+    (re.compile(r"^Expecting object schema"), "(boolean schema)"),
+    (re.compile(r"^Cannot find field .* in #"), "$ref"),
+    (re.compile(r"is not present in a registry"), "(remote resource)"),
+    (re.compile(r"^regex parse error|^Regex parsing error"), "pattern"),
+    (re.compile(r"^Check failed"), "(library error)"),  # xgrammar's internal assertion
+)
+_NOT_A_SCHEMA = re.compile(r"^not a valid JSON Schema at (\S*): ")
+_LEADING_KEYWORD = re.compile(r"^(\$?[a-zA-Z]+) (must|is|should|cannot)\b")
+
+
 def refused_keyword(message: str) -> str:
-    """The keyword a refusal names (schema_policy's messages quote it first)."""
+    """The keyword a refusal names: schema_policy's messages quote it first ("'maxLength'
+    at /"); the libraries' own name it in their words (`Unimplemented keys:
+    ["propertyNames"]`, `Unknown format: iri`, `oneOf constraints are not supported`,
+    `maxItems must be ...`); a schema that admits nothing is "(unsatisfiable)", one the
+    JSON Schema meta-schema refuses is named by the keyword at its place."""
+    if ": " in message and message.split(": ", 1)[0].isidentifier():
+        message = message.split(": ", 1)[1]  # the request field Grammars names
+    for pattern, keyword in _LIBRARY_REFUSALS:
+        found = pattern.search(message)
+        if found:
+            return keyword or found.group(1)
+    found = _NOT_A_SCHEMA.match(message)
+    if found:
+        words = [w for w in found.group(1).split("/") if w and not w.isdigit()]
+        return words[-1] if words else "(not a schema)"
     start = message.find("'")
     end = message.find("'", start + 1)
-    return message[start + 1 : end] if 0 <= start < end else "other"
+    if 0 <= start < end:
+        return message[start + 1 : end]
+    found = _LEADING_KEYWORD.match(message)
+    return found.group(1) if found else "other"
 
 
 @dataclass

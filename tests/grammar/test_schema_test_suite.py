@@ -9,6 +9,7 @@ measured by `make bench-structured`, not asserted: coverage is not promised.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 
@@ -104,4 +105,51 @@ def test_the_issue_examples_are_refused_naming_the_keyword_or_enforced(backend, 
 def test_layout_json_writes_the_schema_order_and_integral_numbers_as_integers():
     schema = {"properties": {"a": {"prefixItems": [{"properties": {"y": {}, "x": {}}}]}, "b": {}}}
     value = {"c": None, "b": 1.0, "a": [{"x": 0.5, "y": "é"}, 3.0]}
-    assert layout_json(value, schema) == '{"a": [{"y": "é", "x": 0.5}, 3], "b": 1, "c": null}'
+    assert layout_json(value, schema) == '{"a":[{"y":"é","x":0.5},3],"b":1,"c":null}'
+
+
+@pytest.mark.clause("MASK-SOUND-1")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        # Draft 7's "definitions" is walked like "$defs" ...
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/definitions/n"}},
+             "definitions": {"n": {"not": {"type": "string"}}}},
+            "'not' at /definitions/n",
+        ),
+        # ... and a reference to a place the walk does not check is refused: its
+        # keywords would reach the library unchecked (xgrammar dropped this maxLength).
+        (
+            {"other": {"x": {"type": "string", "maxLength": 3, "pattern": "^a"}},
+             "$ref": "#/other/x"},
+            "'$ref' at /: '#/other/x' points to no subschema",
+        ),
+    ],
+)  # fmt: skip
+def test_a_subschema_reached_by_a_reference_is_checked(backend, schema, message):
+    with pytest.raises(GrammarError, match=f"^t: {re.escape(message)}"):
+        grammars(backend).compile(StructuredOutput.json_schema(schema, field="t"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_object_that_lists_its_properties_admits_only_those(backend):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    compiled = grammars(backend).compile(StructuredOutput.json_schema(schema, field="t"))
+    assert matcher_accepts(grammars(backend), compiled, '{"a":1}')
+    assert not matcher_accepts(grammars(backend), compiled, '{"a":1,"b":2}')
+
+
+@pytest.mark.clause("MASK-SOUND-1")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_length_bounded_string_is_json(backend):
+    # xgrammar's bounded strings took a raw tab (found by test_soundness's walks).
+    output = StructuredOutput.json_schema({"type": "string", "maxLength": 3}, field="t")
+    if backend == "xgrammar":
+        with pytest.raises(GrammarError, match=r"^t: 'maxLength' at /: xgrammar's length-bounded"):
+            grammars(backend).compile(output)
+        return
+    compiled = grammars(backend).compile(output)
+    assert matcher_accepts(grammars(backend), compiled, '"a b"')
+    assert not matcher_accepts(grammars(backend), compiled, '"a\tb"')
