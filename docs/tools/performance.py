@@ -335,10 +335,220 @@ def _finish_reasons(reasons: dict) -> str:
     return ", ".join(f"{name} {count}" for name, count in sorted(reasons.items()))
 
 
+def _rate(part: int, whole: int) -> str:
+    return f"{part} / {whole}" + (f" ({part / whole:.0%})" if whole else "")
+
+
+def _by_keyword(counts: dict[str, dict[str, int]], backends: list[str]) -> str:
+    """A table of refusals per keyword (rows) and backend (columns), most first."""
+    keywords = sorted(
+        {k for c in counts.values() for k in c},
+        key=lambda k: (-sum(c.get(k, 0) for c in counts.values()), k),
+    )
+    return table(
+        ["keyword", *backends],
+        [[f"`{k}`", *(str(counts[b].get(k, 0)) for b in backends)] for k in keywords],
+    )
+
+
+def _soundness_alarm(report: dict) -> str:
+    """A danger admonition for every soundness failure the report holds."""
+    lines = []
+    for name, result in report["test_suite"]["backends"].items():
+        for bad in result["unsound"]:
+            lines.append(f"{name}, Test Suite: {bad['case']}: {bad['instance']}: `{bad['text']}`")
+    for name, result in report["jsonschemabench_model"]["backends"].items():
+        for bad in result["stop_but_invalid"]:
+            lines.append(f"{name}, JSONSchemaBench answer to {bad['schema']}: {bad['why']}")
+    if not lines:
+        return ""
+    return (
+        '!!! danger "Soundness failures: output the schema rejects got through"\n\n'
+        + "".join(f"    - {line}\n" for line in lines)
+        + "\n"
+    )
+
+
+def _test_suite_part(report: dict, hashes: str) -> str:
+    suite = report["test_suite"]
+    backends = list(suite["backends"])
+    totals = [
+        [
+            f"{name}{' (default)' if name == report['grammar_backend'] else ''}",
+            str(r["cases"]),
+            _rate(r["refused"], r["cases"]),
+            f"**{r['invalid_admitted']}** of {r['invalid_run']}",
+            _rate(r["valid_accepted"], r["valid_run"]),
+            f"{r['seconds']:.1f}",
+        ]
+        for name, r in suite["backends"].items()
+    ]
+    rows = []
+    for group, per_backend in suite["keywords"].items():
+        cells = [f"`{group}`", str(next(iter(per_backend.values()))["cases"])]
+        for name in backends:
+            r = per_backend.get(name)
+            cells += (
+                [
+                    str(r["refused"]),
+                    str(r["invalid_admitted"]),
+                    f"{r['valid_accepted']} / {r['valid_run']}",
+                ]
+                if r
+                else ["–", "–", "–"]
+            )
+        rows.append(cells)
+    header = ["group", "cases"]
+    for name in backends:
+        header += [f"{name} refused", f"{name} invalid admitted", f"{name} valid accepted / run"]
+    return (
+        f"{hashes}# Soundness and coverage: the JSON Schema Test Suite\n\n"
+        + f"{suite['source']}. {suite['method']}. No model.\n\n"
+        + table(
+            [
+                "backend",
+                "schemas",
+                "refused",
+                "invalid instances admitted",
+                "valid instances accepted / run",
+                "seconds",
+            ],
+            totals,
+        )
+        + "\n\nSchemas refused, per keyword the refusal names:\n\n"
+        + _by_keyword({n: r["refused_by_keyword"] for n, r in suite["backends"].items()}, backends)
+        + "\n\nPer group of the suite (its file: a keyword, or format/NAME), the same "
+        + "cases for both backends:\n\n"
+        + table(header, rows)
+        + "\n\n"
+    )
+
+
+def _jsonschemabench_part(report: dict, hashes: str) -> str:
+    bench = report["jsonschemabench"]
+    backends = list(bench["backends"])
+    sets = list(next(iter(bench["backends"].values()))["by_set"])
+    coverage = [
+        [
+            name,
+            str(next(iter(bench["backends"].values()))["by_set"][name]["schemas"]),
+            *(str(bench["backends"][b]["by_set"][name]["compiled"]) for b in backends),
+        ]
+        for name in sets
+    ]
+    coverage.append(
+        [
+            "**all**",
+            str(bench["schemas"]),
+            *(
+                f"**{_rate(bench['backends'][b]['compiled'], bench['backends'][b]['schemas'])}**"
+                for b in backends
+            ),
+        ]
+    )
+    times = [
+        [
+            name,
+            f"{r['compile_ms']['median']:.1f}",
+            f"{r['compile_ms']['p90']:.1f}",
+            f"{r['compile_ms']['max']:.0f} ({r['compile_ms']['slowest']})",
+        ]
+        for name, r in bench["backends"].items()
+    ]
+    return (
+        f"{hashes}# Real-world schemas: JSONSchemaBench\n\n"
+        + f"{bench['source']}. {bench['method']}. No model.\n\n"
+        + table(["set", "schemas", *(f"{b} compiled" for b in backends)], coverage)
+        + "\n\n"
+        + table(["backend", "compile ms, median", "p90", "max (schema)"], times)
+        + "\n\nSchemas refused, per keyword the refusal names:\n\n"
+        + _by_keyword({n: r["refused_by_keyword"] for n, r in bench["backends"].items()}, backends)
+        + "\n\n"
+    )
+
+
+def _model_part(report: dict, hashes: str) -> str:
+    answers = report["jsonschemabench_model"]
+    rows = [
+        [
+            name,
+            str(r["requests"]),
+            f"**{_rate(r['valid_and_stop'], r['requests'])}**",
+            f"{r['valid_rate']:.0%}" if r["valid_rate"] is not None else "–",
+            _finish_reasons(r["finish_reasons"]),
+            str(len(r["stop_but_invalid"])),
+            _us(r["stopped_tokens_median"], ".0f") + " / " + _us(r["stopped_tokens_max"], ".0f"),
+            f"{r['wall_s']:.0f}",
+        ]
+        for name, r in answers["backends"].items()
+    ]
+    cap = f" The schemas are {answers['cap']}." if answers.get("capped") else ""
+    prompt = answers["prompt"].replace("\n", " ").replace("{schema}", "<the schema>")
+    return (
+        f"{hashes}# JSONSchemaBench schemas with the model\n\n"
+        + f'One answer per schema, prompt "{prompt}" (as a chat message); {answers["sampling"]}; '
+        + f"{answers['batching']}. Valid: {answers['validity']}.{cap}\n\n"
+        + table(
+            [
+                "backend",
+                "answers",
+                "valid and finished stop",
+                "schema-valid",
+                "finish reasons",
+                "stopped yet invalid",
+                "tokens of a stopped answer, median / max",
+                "seconds",
+            ],
+            rows,
+        )
+        + "\n\n"
+    )
+
+
+def _layout_part(report: dict, hashes: str) -> str:
+    layouts = report["layouts"]
+    rows = [
+        [f"{run['max_whitespace']}", f"refused: {run['refused']}", "–", "–", "–", "–", "–"]
+        if "refused" in run
+        else [
+            f"{run['max_whitespace']}" + (" (the engine's)" if run["engine"] else ""),
+            f"{run['stop_rate']:.0%}",
+            f"{run['schema_valid_rate']:.0%}",
+            f"{run['valid_json_rate']:.0%}",
+            f"{run['completion_tokens_per_request']:.1f}",
+            f"{run['whitespace_per_answer']:.1f}",
+            _finish_reasons(run["finish_reasons"]),
+        ]
+        for run in layouts["runs"]
+    ]
+    return (
+        f"{hashes}# The JSON layout\n\n"
+        + "At most N whitespace characters wherever JSON allows whitespace "
+        + f"(`MAX_JSON_WHITESPACE`), backend {layouts['backend']}, the {report['prompts']} "
+        + f"prompts below: {layouts['method']}; max_tokens {layouts['max_tokens']}, bar: at "
+        + f"least {layouts['stop_bar']:.0%} finish stop with the engine's layout.\n\n"
+        + table(
+            [
+                "max whitespace",
+                "finished stop",
+                "schema-valid",
+                "valid JSON",
+                "tokens per answer",
+                "whitespace per answer",
+                "finish reasons",
+            ],
+            rows,
+        )
+        + "\n\n"
+    )
+
+
 def structured_section(report: dict | None, level: int = 2, link: bool = True) -> str:
-    """Structured outputs: valid rates unconstrained and constrained, decode speed,
-    the mask's cost per token, and xgrammar against llguidance on the same tokens.
-    `level` is the heading's level; `link` points to the structured-outputs page."""
+    """Structured outputs: each backend's soundness and coverage (the JSON Schema Test
+    Suite, JSONSchemaBench, the model's answers to its schemas), the JSON layout, valid
+    rates unconstrained and constrained, decode speed, the mask's cost per token, and
+    xgrammar against llguidance on the same tokens. `level` is the heading's level;
+    `link` points to the structured-outputs page."""
     hashes = "#" * level
     heading = f"{hashes} Structured outputs on a CPU\n\n"
     if report is None:
@@ -403,21 +613,30 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
         )
     anchor = report["anchor"]
     link_text = (
-        "The feature, its interfaces and the choice of xgrammar: "
+        "The feature, its interfaces and the choice of llguidance: "
         "[Structured outputs](structured.md).\n\n"
         if link
         else ""
     )
+    backend = report["grammar_backend"]
     return (
         heading
         + smoke_warning(report)
+        + _soundness_alarm(report)
         + f"{measured_on(cpu_environment(report), report['command'])} "
         + "**Load average** (1, 5, 15 minutes, before / after): "
         + f"{' '.join(str(x) for x in report['load_average'][:3])} / "
         + f"{' '.join(str(x) for x in report['load_average'][3:])}: a shared machine, "
-        + "so the timings are noisy.\n\n"
+        + "so the timings are noisy. "
+        + f"The whole bench took {report['bench_wall_s'] / 60:.1f} minutes.\n\n"
         + link_text
-        + f"Model: {report['model']}, backend `{report['backend']}`. {report['prompts']} "
+        + _test_suite_part(report, hashes)
+        + _jsonschemabench_part(report, hashes)
+        + _model_part(report, hashes)
+        + _layout_part(report, hashes)
+        + f"{hashes}# Fifty prompts, unconstrained and constrained\n\n"
+        + f"Model: {report['model']}, backend `{report['backend']}`, grammar backend "
+        + f"{backend}. {report['prompts']} "
         + "prompts asking for a JSON object of one of four schemas (its keys named in "
         + "words), each run unconstrained and constrained by its schema; "
         + f"{report['sampling']}; {report['batching']}. Strict: the whole text parses as "
@@ -438,8 +657,8 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
             validity,
         )
         + f"\n\nAdding the {report['prompts']} requests took "
-        + f"{report['constrained']['add_requests_s']:.2f} s constrained (each schema is "
-        + "compiled once, then cached) and "
+        + f"{report['constrained']['add_requests_s']:.2f} s constrained (each request's "
+        + "schema is compiled when it is added) and "
         + f"{report['unconstrained']['add_requests_s']:.2f} s unconstrained. "
         + (f"Note: {report['speed_note']}.\n\n" if report.get("speed_note") else "\n\n")
         + table(["schema", "prompts", "schema-valid, unconstrained", "constrained"], by_schema)
@@ -456,7 +675,7 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
             ["", "µs per token"],
             [
                 [
-                    "mask fill (xgrammar, in the engine; median "
+                    f"mask fill ({backend}, in the engine; median "
                     f"{_us(constrained['fill_us_median'])}, "
                     f"max {_us(constrained['fill_us_max'], '.0f')})",
                     _us(cost["fill_us_per_token"]),
@@ -478,7 +697,7 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
             ],
         )
         + f"\n\n{hashes}# xgrammar and llguidance on the same tokens\n\n"
-        + "The constrained answers' tokens replayed through both matchers on "
+        + "The constrained answers' tokens replayed through both backends on "
         + f"{matchers['threads']} thread, one after the other at each token, same schemas "
         + f"({matchers['json_options']}); {matchers['statistic']}. Compile times per schema "
         + f"in the order {' / '.join(schemas)}. Anchor: {anchor['source']} states "
@@ -503,6 +722,8 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
         + f"{_us(matchers['llguidance']['mean_allowed_tokens'], '.0f')}).\n\n"
         + f"{hashes}# Targets\n\n"
         + targets_list(report["targets"])
+        + "\nSoundness and layout checks:\n\n"
+        + targets_list([{"target": c["check"], "met": c["met"]} for c in report["checks"]])
     )
 
 

@@ -315,6 +315,52 @@ def test_performance_page_shows_the_structured_outputs_benchmark():
         assert f"| {mode} | {m['valid_json_rate']:.0%} | {m['schema_valid_rate']:.0%} |" in page
     for target in report["targets"]:
         assert target["target"] in page
+    for check in report["checks"]:
+        assert check["check"] in page
+    # Both backends, each with its Test Suite soundness, JSONSchemaBench coverage and
+    # the model's valid-and-stopped answers.
+    assert set(report["test_suite"]["backends"]) == {"llguidance", "xgrammar"}
+    for name, suite in report["test_suite"]["backends"].items():
+        assert suite["cases"] > 300 and suite["invalid_run"] > 200
+        assert f"| **{suite['invalid_admitted']}** of {suite['invalid_run']} |" in page
+        bench = report["jsonschemabench"]["backends"][name]
+        assert bench["schemas"] == 126 and f"{bench['compiled']} / 126" in page
+        answers = report["jsonschemabench_model"]["backends"][name]
+        assert f"{answers['valid_and_stop']} / {answers['requests']}" in page
+    # The keyword × backend table has a row per group of the suite.
+    assert "| `maxLength` |" in page and "| `format/date` |" in page
+    values = [run["max_whitespace"] for run in report["layouts"]["runs"]]
+    assert {24, 4, 1, 0} <= set(values)
+    engine = [run for run in report["layouts"]["runs"] if run["engine"]]
+    assert [run["max_whitespace"] for run in engine] == [report["max_json_whitespace"]]
+    assert (
+        f"| {engine[0]['max_whitespace']} (the engine's) | {engine[0]['stop_rate']:.0%} |" in page
+    )
+    failures = [
+        *(u for r in report["test_suite"]["backends"].values() for u in r["unsound"]),
+        *(
+            b
+            for r in report["jsonschemabench_model"]["backends"].values()
+            for b in r["stop_but_invalid"]
+        ),
+    ]
+    assert ("Soundness failures" in page) == bool(failures)
+
+
+def test_structured_section_raises_the_alarm_on_a_soundness_failure():
+    from docs.tools.performance import structured_section
+
+    report = json.loads((ROOT / "results" / "structured-cpu.json").read_text())
+    suite = report["test_suite"]["backends"]["xgrammar"]
+    suite["unsound"] = [{"case": "maxLength: a case", "instance": "too long", "text": '"abc"'}]
+    answers = report["jsonschemabench_model"]["backends"]["llguidance"]
+    answers["stop_but_invalid"] = [
+        {"schema": "Set/x", "why": "at /: 1 is not a string", "text": "1"}
+    ]
+    section = structured_section(report)
+    assert '!!! danger "Soundness failures' in section
+    assert "xgrammar, Test Suite: maxLength: a case: too long" in section
+    assert "llguidance, JSONSchemaBench answer to Set/x: at /: 1 is not a string" in section
 
 
 def test_built_site_structured_page_renders_its_results(built_site):
@@ -322,6 +368,7 @@ def test_built_site_structured_page_renders_its_results(built_site):
     page = (built_site / "structured" / "index.html").read_text()
     assert "<!-- structured-results -->" not in page
     assert report["date"] in page and "xgrammar" in page and "llguidance" in page
+    assert "JSON Schema Test Suite" in page and "JSONSchemaBench" in page
     assert 'href="../stages/token_mask/#mask-order-1"' in page
 
 
