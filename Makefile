@@ -114,10 +114,11 @@ bench-serve: $(STAMP)
 bench-prefix: $(STAMP)
 	$(PY) -m tests.benchmarks.prefix
 
-# CPU benchmark of structured outputs: 50 prompts asking for JSON of four schemas,
-# unconstrained and constrained (valid rates, decode tokens/s, the mask's cost per
-# token), and xgrammar against llguidance on the same tokens (about five minutes):
-# results/structured-cpu.json
+# CPU benchmark of structured outputs, for each grammar backend (llguidance, xgrammar):
+# soundness and coverage on the JSON Schema Test Suite, a JSONSchemaBench subset (coverage,
+# refusals, compile time, the bundled model's rate of valid answers that finish "stop"),
+# 50 prompts of four schemas constrained and not (valid rates, the mask's cost per token)
+# under each JSON whitespace bound (about 20 minutes): results/structured-cpu.json
 bench-structured: $(STAMP)
 	$(PY) -m tests.benchmarks.structured
 
