@@ -591,21 +591,19 @@ def structured_section(report: dict | None, level: int = 2, link: bool = True) -
             _us((figures or {}).get(k), ".0f" if k == "max_us" else ".1f") for k in keys
         )
 
+    def compile_ms(name: str, suffix: str) -> str:
+        """Each schema's compile time, or "refused" (xgrammar refuses length bounds)."""
+        times = [matchers["compile_ms"][s].get(f"{name}_compile_ms{suffix}") for s in schemas]
+        return " / ".join("refused" if t is None else f"{t:.1f}" for t in times)
+
     for name in libraries:
         lib = matchers[name]
-        compile_ms = " / ".join(
-            f"{matchers['compile_ms'][s][f'{name}_compile_ms']:.1f}" for s in schemas
-        )
-        unbounded = " / ".join(
-            f"{matchers['compile_ms'][s][f'{name}_compile_ms_without_maxLength']:.1f}"
-            for s in schemas
-        )
         peer_rows.append(
             [
                 f"{name} {lib['version']}",
                 f"{lib['tables_ms']:.0f}",
-                compile_ms,
-                unbounded,
+                compile_ms(name, ""),
+                compile_ms(name, "_without_maxLength"),
                 fills(lib["fill"]),
                 fills(lib.get("fill_without_maxLength")),
                 str(lib["rejected_tokens"]),
