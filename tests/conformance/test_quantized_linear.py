@@ -248,7 +248,9 @@ def test_each_group_has_its_own_scale_and_offset(impl, bits):
 def test_identity_rows_read_back_every_weight(impl, bits, rows):
     """x = rows of the identity: the output is the dequantized weight, element by element,
     exactly (a product with 1, sums of zeros). Swapped nibbles, or int8 codes read as
-    unsigned, move or change values."""
+    unsigned, move or change values. `s · q + o` may be rounded once, as a fused
+    multiply-add (what Triton compiles it to on a GPU), or twice, as the spec's float32
+    evaluation does (QUANT-TOL-1 admits either); any other value is a misread code."""
     n, k, group_size = 37, 32, 8
     case = make_case(1, n, k, group_size, bits, torch.float32, seed=bits)
     # Every code value appears, both extremes included.
@@ -265,10 +267,12 @@ def test_identity_rows_read_back_every_weight(impl, bits, rows):
     scales = case.scales.cpu()[:, torch.arange(k) // group_size]
     offsets = case.offsets.cpu()[:, torch.arange(k) // group_size]
     weight = scales * codes.float() + offsets  # float32, as the spec evaluates it
-    want = weight.T if rows == "all" else weight.T[5:6]
-    assert torch.equal(out, want), (
-        f"differs at (row, column) {(out != want).nonzero().tolist()[:8]}"
-    )
+    # One rounding: s · q is exact in float64 (24 + 8 bits), the sum too at these sizes.
+    fused = (scales.double() * codes.double() + offsets.double()).float()
+    rows_of = (lambda w: w.T) if rows == "all" else (lambda w: w.T[5:6])
+    want, want_fused = rows_of(weight), rows_of(fused)
+    bad = (out != want) & (out != want_fused)
+    assert not bool(bad.any()), f"differs at (row, column) {bad.nonzero().tolist()[:8]}"
 
 
 @pytest.mark.clause("QUANT-CODES-1")
