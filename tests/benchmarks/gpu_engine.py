@@ -4,7 +4,9 @@ A stage of `make gpu-check` (issue 17). The bundled model on CUDA answers
 one greedy request (`ignore_eos`, a fixed number of new tokens) with the
 spec, torch and triton backends, each after one short warm-up run on a fresh
 engine. The triton and torch backends' tokens must equal the spec backend's
-on the same GPU (the command exits 1 otherwise); TTFT and decode tokens/s of
+on the same GPU, and the spec's answer must vary (at least a quarter of its
+tokens distinct: agreeing on one token repeated proves nothing); the command
+exits 1 otherwise. TTFT and decode tokens/s of
 each go to `results/engine-gpu.json` with the device, versions and date.
 Without CUDA it refuses (status 2); `--smoke` runs a tiny random model on
 the CPU, the kernels in the Triton interpreter.
@@ -74,8 +76,15 @@ def load_model(choice: str, smoke: bool) -> tuple:
         return load(False)
     from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
-    weights = random_weights(small_config(**SMOLLM2_SHAPES))
-    return weights, ByteTokenizer(), "random weights of SmolLM2-135M's shapes, float32"
+    # Untied: with a random embedding as its own output matrix, the model's greedy
+    # answer repeats its last prompt token (the residual stream stays that token's
+    # embedding), and every backend agrees on a comparison that says nothing.
+    weights = random_weights(small_config(**{**SMOLLM2_SHAPES, "tie_word_embeddings": False}))
+    return (
+        weights,
+        ByteTokenizer(),
+        ("random weights of SmolLM2-135M's shapes (output matrix untied), float32"),
+    )
 
 
 def answer(weights, tokenizer, backend: str, ids: list[int], max_tokens: int):
@@ -126,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec_tokens = rows[0]["token_ids"]
     for row in rows:
         row["same_tokens_as_spec"] = row["token_ids"] == spec_tokens
+    # Backends agreeing on one token repeated prove nothing: the answer must vary.
+    distinct = len(set(spec_tokens))
+    informative = distinct >= max(2, max_tokens // 4)
     note = SMOKE_NOTE if args.smoke else None
     report = {
         **device_report_header("engine-gpu", " ".join([COMMAND, *argv]), note, device),
@@ -133,12 +145,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompt_tokens": len(ids),
         "sampling": f"greedy, ignore_eos, {max_tokens} new tokens, raw prompt",
         "backends": rows,
+        "distinct_tokens": distinct,
         "same_tokens": all(row["same_tokens_as_spec"] for row in rows),
     }
     write_json(args.out, report)
     print(f"wrote {args.out}")
     if not report["same_tokens"]:
         print("FAILED: a backend's greedy tokens differ from the spec's", file=sys.stderr)
+        return 1
+    if not informative:
+        print(
+            f"FAILED: the spec's answer has {distinct} distinct tokens in {max_tokens}: "
+            "the backends' agreement on it says nothing",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
