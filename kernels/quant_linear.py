@@ -17,7 +17,7 @@ with the activations. Two kernels share that tile:
   `K` is split (split-K) when the output blocks alone are too few; the partial
   sums land in a float32 buffer `[splits, M, N]` that the wrapper adds up (in
   a fixed order: deterministic).
-- `_quantized_gemm_kernel`, prefill (16 rows or more): `[BLOCK_M, BLOCK_N]`
+- `_quantized_gemm_kernel`, prefill (`GEMM_MIN_ROWS` rows or more): `[BLOCK_M, BLOCK_N]`
   output tiles, `tl.dot` on the tensor cores with the dequantized tile cast
   to the activation dtype (float32: `input_precision="ieee"`, no TF32).
 
@@ -26,6 +26,7 @@ multiple of `BLOCK_K`), one scale and offset a row; when it holds whole groups
 (`BLOCK_K` a multiple of `group_size`: 32 for Q4_1/Q8_0-like layouts), one a
 group, broadcast over the group's columns; otherwise each element's group
 `k // G` is gathered, which is correct for any `G` that divides `K`.
+`_tiling` picks the kernel, the blocks and the branch for a call's shape.
 In the Triton interpreter bfloat16 arithmetic and float32 → bfloat16 casts
 are wrong: there the tiles are upcast to float32 and the result is written
 in float32 and rounded by PyTorch (`UPCAST`).
@@ -37,6 +38,7 @@ tutorials' matmul (03-matrix-multiplication) is the GEMM's skeleton.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -254,6 +256,29 @@ def _check(
     return x.shape[0], n, k
 
 
+class Tiling(NamedTuple):
+    """The kernel and blocks one call runs with (`_tiling`)."""
+
+    gemm: bool  # `_quantized_gemm_kernel`, else `_quantized_gemv_kernel`
+    block_m: int  # rows of x a program takes: 1 for the GEMV
+    block_n: int
+    block_k: int
+    groups_in_tile: int  # `dequantize_tile`'s branch (`_groups_in_tile`)
+
+
+def _tiling(m: int, k: int, group_size: int, fp64: bool) -> Tiling:
+    """The kernel, blocks and group branch for `x` `[m, k]` (float64 when `fp64`)."""
+    gemm = m >= GEMM_MIN_ROWS and not fp64
+    if gemm:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n, block_k = 64, 64
+    else:
+        block_m = 1
+        block_n, block_k = (32, 64) if fp64 else (64, 128)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    return Tiling(gemm, block_m, block_n, block_k, _groups_in_tile(group_size, block_k))
+
+
 def _groups_in_tile(group_size: int, block_k: int) -> int:
     """1: a K-tile lies inside one group; g > 1: it holds g whole groups; 0: groups cross
     the tiles (each element's group is gathered)."""
@@ -325,15 +350,8 @@ def quantized_linear(
     qweight, scales, offsets = (
         t if t.stride(1) == 1 else t.contiguous() for t in (qweight, scales, offsets)
     )
-    gemm = m >= GEMM_MIN_ROWS and not fp64
-    if gemm:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n, block_k = 64, 64
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    else:
-        block_n, block_k = (32, 64) if fp64 else (64, 128)
-        tiles = m * triton.cdiv(n, block_n)
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    gemm, block_m, block_n, block_k, groups_in_tile = _tiling(m, k, group_size, fp64)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     splits, k_per_split = _splits(tiles, k, block_k, x.device)
     upcast = INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
     # One slice written in x's dtype directly; several, or the interpreter's
@@ -344,7 +362,7 @@ def quantized_linear(
         BITS=bits,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        GROUPS_IN_TILE=_groups_in_tile(group_size, block_k),
+        GROUPS_IN_TILE=groups_in_tile,
     )
     args = (
         x, qweight, scales, offsets, out, m, n, k, k_per_split,

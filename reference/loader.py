@@ -18,7 +18,8 @@ Supported inputs:
   dequantize: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...) with
   `general.architecture` `llama` or `qwen2`. Every tensor is dequantized to
   float32, then cast to the requested dtype, or converted to a weight format
-  (`weights=`, `weight_formats.py`: int4 keeps the file's own 4-bit blocks).
+  (`weights=`, `weight_formats.py`: int4 keeps the file's own 4-bit blocks,
+  int8 quantizes their dequantized weights per channel).
   llama.cpp's converter permutes the rows of the `llama` Q and K projections
   into its interleaved RoPE layout;
   the loader undoes that permutation (FWD-ROPE-1). `qwen2` files use the

@@ -9,7 +9,9 @@ blocks dequantized); `convert_weights` turns them into the requested format:
 - `int8`: every projection (the seven of each layer and the output
   projection) int8 with one scale per output channel (QUANT-ROUND-1 with
   `group_size = in_features`: the layout PyTorch's CPU int8 kernel runs);
-  activations float32.
+  activations float32. A GGUF tensor in 4-bit blocks is not kept (groups of
+  32 are not one scale a row): its dequantized weights are quantized at load
+  like any other's, and the load summary says from which type.
 - `int4`: the seven projections of each layer int4 in groups of 32. A GGUF
   tensor stored in 4-bit blocks (Q4_0, Q4_1, Q4_K) keeps its own codes,
   scales and offsets exactly (GGUF-GROUPS-1); any other tensor is quantized

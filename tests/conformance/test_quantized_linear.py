@@ -8,8 +8,12 @@ the spec evaluated in float64 on the same codes and rounded values:
 `dense_weight` decodes the codes an element at a time, straight from the
 clauses' text, so that the spec itself is checked when it is the
 implementation under test. Shapes cross the kernels' blocks: rows 1 … 33
-(GEMV and GEMM), outputs 1 … 70, group sizes 8 … 128, odd ones and one group
-per row (per-channel).
+(GEMV and GEMM), outputs 1 … 70, group sizes 2 … 128, odd ones, ones that do
+not divide a power-of-two K-tile (24, 40, 48, 96: groups straddle the tiles)
+and one group per row (per-channel). `BRANCH_SHAPES` names shapes for each way a
+tiled kernel finds a tile's scales (tests/kernels/test_quant_linear_tiles.py
+checks that these shapes, and the strategies, reach each of the Triton
+kernel's).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from tests.strategies import DEVICE, LARGE
 OP = registry.OPERATIONS["quantized_linear"]
 FEATURE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-GROUP_SIZES = (8, 16, 32, 64, 128)
+GROUP_SIZES = (8, 16, 32, 64, 96, 128)
+# Not powers of two: groups straddle any power-of-two K-tile, a tile holds several.
+ANY_GROUP_SIZES = (2, 3, 6, 24, 40, 48, 96)
 if LARGE:  # a GPU run: prefill-sized rows, wider matrices
     MAX_M, MAX_N, MAX_K = 300, 600, 2048
 else:
@@ -96,6 +102,20 @@ def make_case(
     )
 
 
+def max_groups(group_size: int) -> int:
+    """The most groups of `group_size` the strategy draws in a row (K at most `MAX_K`)."""
+    return max(1, MAX_K // group_size)
+
+
+def case_shape(bits: int, group_size: int, groups: int, per_channel: bool) -> tuple[int, int]:
+    """`(K, group_size)` the strategy makes of its draws: `groups` groups (twice as many
+    for an odd K of 4 bits, whose codes pack two a byte), or one group a row."""
+    k = group_size * groups
+    if bits == 4 and k % 2:
+        k *= 2
+    return k, k if per_channel else group_size
+
+
 @st.composite
 def cases(
     draw: st.DrawFn,
@@ -106,13 +126,8 @@ def cases(
     group per row), the scales in float32 or in x's dtype."""
     bits = draw(st.sampled_from((4, 8)))
     group_size = draw(st.sampled_from(group_sizes))
-    groups = draw(st.integers(1, max(1, MAX_K // group_size)))
-    k = group_size * groups
-    if bits == 4 and k % 2:
-        k *= 2
-        groups *= 2
-    if draw(st.booleans()):
-        group_size = k  # per-channel: one group per row
+    groups = draw(st.integers(1, max_groups(group_size)))
+    k, group_size = case_shape(bits, group_size, groups, per_channel=draw(st.booleans()))
     m = draw(st.integers(1, MAX_M))
     n = draw(st.integers(1, MAX_N))
     dtype = draw(st.sampled_from(dtypes))
@@ -196,10 +211,31 @@ def test_matches_the_definition_in_float64(impl, case):
 
 
 @pytest.mark.clause("QUANT-GROUP-1", "QUANT-TOL-1")
-@given(case=cases(dtypes=(torch.float32,), group_sizes=(2, 3, 6, 24, 40, 96)))
+@given(case=cases(dtypes=(torch.float32,), group_sizes=ANY_GROUP_SIZES))
 def test_groups_of_any_size_that_divides_k(impl, case):
     """Group sizes that are not powers of two: groups straddle the kernels' K-tiles."""
     note(case.describe())
+    assert_matches(call(impl, case), case)
+
+
+# (K, group_size): a tiled kernel's K-tile (16 … 128 elements, a power of two) lies
+# inside one group (a group over one or two tiles), holds several whole groups (the
+# last ones past K in a tile of 128), or meets groups that straddle the tiles (96 and
+# 48 over tiles of 64 or 128, 12 in a tile of 32 that passes K).
+BRANCH_SHAPES = ((256, 128), (192, 64), (192, 16), (96, 32), (192, 96), (144, 48), (24, 12))
+BRANCH_ROWS = (1, 5, 16)  # a decode row (K split), a few rows, a 16-row prefill (GEMM)
+BRANCH_N = 33
+
+
+@pytest.mark.clause("QUANT-GROUP-1", "QUANT-TOL-1")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", BRANCH_ROWS)
+@pytest.mark.parametrize(("k", "group_size"), BRANCH_SHAPES)
+def test_groups_against_the_k_tiles(impl, k, group_size, m, bits):
+    """Every way a group can meet a K-tile, for decode and prefill rows: each element's
+    scale and offset is its own group's wherever the tile and split boundaries fall."""
+    seed = k + group_size + m + bits
+    case = make_case(m, BRANCH_N, k, group_size, bits, torch.float32, seed=seed)
     assert_matches(call(impl, case), case)
 
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from decodespec.reference import cpu_linear
 from decodespec.reference.engine import Engine
 from decodespec.reference.weight_formats import (
+    PROJECTIONS,
     WEIGHT_FORMATS,
     LoadSummary,
     convert_weights,
@@ -321,6 +322,89 @@ def test_a_shared_prefix_is_served_from_the_cache_in_each_format(fmt):
     check_all(engine, ids, events)
 
 
+# ---------------------------------------------------------------- GGUF files in 4-bit blocks
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(tmp_path_factory):
+    """A small random Llama GGUF laid out as the bundled file is: every projection in
+    Q4_1 blocks (Q and K rows permuted, as llama.cpp writes them), the tied embedding
+    Q8_0, the norms F32."""
+    from tests.engine import checkpoints
+
+    hf = checkpoints.hf_model("llama", tie_word_embeddings=True)
+    tensors = checkpoints.gguf_tensors(hf, "llama")
+    quantize = {name: "Q4_1" for name in tensors if name.startswith("blk.") and "norm" not in name}
+    quantize["token_embd.weight"] = "Q8_0"
+    path = tmp_path_factory.mktemp("q4_1") / "model.gguf"
+    return checkpoints.write_gguf(path, "llama", hf.config, tensors, quantize=quantize)
+
+
+def load_with_summary(path, fmt):
+    from decodespec.reference.loader import load_weights
+
+    messages = []
+    weights = load_weights(path, weights=fmt, progress=messages.append)
+    return weights, [m for m in messages if isinstance(m, LoadSummary)]
+
+
+@pytest.mark.clause("QUANT-ROUND-1", "FWD-QUANT-1", "LOOP-SAMPLE-1")
+def test_int8_requantizes_a_gguf_files_4_bit_blocks_per_channel(q4_1_gguf):
+    """`--weights int8` on a file of Q4_1 projections gives int8 layers: each projection
+    QUANT-ROUND-1's int8 per channel of the weights its blocks hold (dequantized, as the
+    float32 loader reads them; 4-bit groups of 32 do not fit one scale a row), within
+    int8's rounding of them, and the summary says they were quantized from Q4_1. A greedy
+    generation on the torch backend's int8 kernels is the spec loop on those weights."""
+    from decodespec.reference.loader import load_weights
+    from decodespec.spec.params import SamplingParams
+
+    float32 = load_weights(q4_1_gguf)
+    int8, summary = load_with_summary(q4_1_gguf, "int8")
+    for index, (ours, dense) in enumerate(zip(int8.layers, float32.layers, strict=True)):
+        for name in PROJECTIONS:
+            weight, want = getattr(ours, name), getattr(dense, name)
+            where = f"layer {index} {name}"
+            assert isinstance(weight, QuantizedWeight), where
+            assert weight.bits == 8 and weight.qweight.dtype == torch.int8, where
+            assert weight.group_size == want.shape[1], where  # one scale a row
+            # s = max |w| / 127 a row; each weight rounded to the nearest multiple of s
+            scale = want.abs().amax(dim=1, keepdim=True) / 127
+            error = (weight.dequantize() - want).abs()
+            assert bool((error <= scale * (0.5 + 1e-4)).all()), where
+            rounded = quantize_weight(want, bits=8, group_size=want.shape[1])
+            assert torch.equal(weight.qweight, rounded.qweight), where
+            assert torch.equal(weight.scales, rounded.scales), where
+    assert int8.output.bits == 8 and int8.output.group_size == int8.config.hidden_size
+    assert summary[-1] == (
+        "int8: 14 quantized at load from Q4_1 to int8 per channel, "
+        "1 quantized at load from Q8_0 to int8 per channel "
+        "(the output projection tied to the embedding)"
+    )
+    assert "projections int8 ×15;" in describe(int8)
+    engine = Engine(int8, ByteTokenizer(), backend="torch", block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids, events = run_workload(engine, [(list(b"int8 from Q4_1"), greedy, 0)])
+    assert len(engine.output(ids[0]).token_ids) == 6
+    check_all(engine, ids, events)
+
+
+@pytest.mark.clause("GGUF-GROUPS-1")
+def test_int4_keeps_the_blocks_of_a_small_gguf_file(q4_1_gguf):
+    """The same file in int4: every Q4_1 projection kept as it is (its weights are the
+    float32 loader's exactly), and the summary says so."""
+    from decodespec.reference.loader import load_weights
+
+    float32 = load_weights(q4_1_gguf)
+    int4, summary = load_with_summary(q4_1_gguf, "int4")
+    for ours, dense in zip(int4.layers, float32.layers, strict=True):
+        for name in PROJECTIONS:
+            weight = getattr(ours, name)
+            assert isinstance(weight, QuantizedWeight) and weight.bits == 4, name
+            assert weight.group_size == 32, name
+            assert torch.equal(weight.dequantize(), getattr(dense, name)), name
+    assert summary[-1].startswith("int4: 14 kept from Q4_1 blocks, 1 quantized at load from Q8_0")
+
+
 # ---------------------------------------------------------------- the bundled GGUF
 
 
@@ -342,7 +426,7 @@ def test_int4_keeps_the_gguf_files_own_4_bit_blocks(bundled_int4_and_float32):
     the Q8_0 output projection is quantized at load, and the summary says so."""
     int4, float32, messages = bundled_int4_and_float32
     for ours, theirs in zip(int4.layers, float32.layers, strict=True):
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        for name in PROJECTIONS:
             weight = getattr(ours, name)
             assert isinstance(weight, QuantizedWeight) and weight.group_size == 32
             assert torch.equal(weight.dequantize(), getattr(theirs, name)), name
