@@ -262,6 +262,7 @@ def _sample_kernel(
     vocab,
     logits_stride,
     words,
+    bitmask_stride,
     HAS_BITMASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_MIN_TOKENS: tl.constexpr,
@@ -302,7 +303,7 @@ def _sample_kernel(
         offsets = start + tl.arange(0, BLOCK_V)
         z = _processed(
             logits_row,
-            bitmask_ptr + row * words,
+            bitmask_ptr + row * bitmask_stride,  # the bitmask's own rows (MASK-WIDTH-1)
             words,
             bias_ptr + row * vocab,
             stop_ptr + row * vocab,
@@ -495,6 +496,12 @@ def _launch(
         # An absent tensor is never read (its constexpr flag is off): any pointer will do.
         return logits if t is None else t.contiguous()
 
+    # A bitmask of any width (MASK-WIDTH-1), read at its own row stride: a slice of
+    # an engine's wider buffer, or one row broadcast to the batch, is not copied.
+    bitmask = args.get("token_bitmask")
+    if bitmask is not None and bitmask.shape[1] > 1 and bitmask.stride(1) != 1:
+        bitmask = bitmask.contiguous()  # the words of a row side by side
+
     tokens = torch.empty(batch, dtype=torch.int64, device=device)
     scratch = torch.empty(batch, vocab, dtype=torch.float32, device=device)
     if batch == 0:
@@ -509,7 +516,7 @@ def _launch(
         per_row("min_p", torch.float32, 0.0),
         per_row("seed", torch.int64, 0),
         per_row("step", torch.int64, 0),
-        per_token("token_bitmask"),
+        logits if bitmask is None else bitmask,
         per_token("logit_bias"),
         per_token("stop_token_mask"),
         per_row("min_tokens", torch.int64, 0),
@@ -520,8 +527,9 @@ def _launch(
         per_row("presence_penalty", torch.float32, 0.0),
         vocab,
         logits.stride(0),
-        1 if args.get("token_bitmask") is None else args["token_bitmask"].shape[1],
-        HAS_BITMASK=args.get("token_bitmask") is not None,
+        1 if bitmask is None else bitmask.shape[1],
+        0 if bitmask is None else bitmask.stride(0),
+        HAS_BITMASK=bitmask is not None,
         HAS_BIAS=args.get("logit_bias") is not None,
         HAS_MIN_TOKENS=args.get("stop_token_mask") is not None,
         HAS_PENALTIES=args.get("prompt_mask") is not None,
@@ -691,6 +699,8 @@ def sample(
         step: `[batch]` int64 >= 0, tokens the row has generated (default 0).
         token_bitmask: `[batch, words]` int32 grammar masks (MASK-SAMPLE-1),
             applied first in the same pass; a row of −1 words allows every token.
+            Any `words >= 1` and any strides (MASK-WIDTH-1): bits past `vocab` are
+            ignored, tokens past `32 · words` disallowed.
         logit_bias: `[batch, vocab]` float in [-100, 100].
         stop_token_mask: `[batch, vocab]` bool, with `min_tokens` `[batch]` int.
         prompt_mask: `[batch, vocab]` bool, with `output_counts` `[batch,

@@ -18,14 +18,15 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from decodespec.spec.token_mask import apply_token_bitmask, bitmask_words
+from decodespec.spec.token_mask import allowed_token_mask, apply_token_bitmask, bitmask_words
 from tests.conformance.test_process_logits import assert_processed_conforms, without_seed
 from tests.conformance.test_sampling import (
     add_processor_args,
     assert_invalid_logits_error,
     assert_tokens_conform,
 )
-from tests.strategies import CHUNK_SIZES, DEVICE, LARGE, logits, sampling_args
+from tests.conformance.test_token_mask import BITMASK_LAYOUTS, laid_out_bitmask, op_under_test
+from tests.strategies import CHUNK_SIZES, DEVICE, LARGE, logits, make_logits, sampling_args
 
 ROW_KINDS = ("unconstrained", "sparse", "dense", "single")
 
@@ -139,6 +140,42 @@ def test_a_single_allowed_token_is_chosen_whatever_the_filters(impl, chunk, data
     assert tokens.tolist() == [token] * 3
 
 
+@pytest.mark.clause("MASK-SAMPLE-1", "MASK-WIDTH-1")
+@pytest.mark.parametrize("layout", BITMASK_LAYOUTS)
+def test_a_token_bitmask_of_any_width_and_strides_is_read_row_by_row(impl, layout):
+    """An engine's bitmask need not be ceil(V / 32) contiguous words (MASK-WIDTH-1): wider
+    (a padded vocabulary: the extra words are ignored), narrower (the columns past it are
+    disallowed), or a view with its own row stride (a slice of a bigger buffer, one row
+    broadcast to the batch). `sample` and `process_logits` read each row at the bitmask's
+    own strides: bit for bit what they give for the logits the spec masked beforehand,
+    and the spec's tokens."""
+    impl.require("token_bitmask")
+    batch, vocab = 3, 70
+    x = make_logits(batch, vocab, "normal", seed=11).to(DEVICE)
+    bitmask = laid_out_bitmask(batch, vocab, layout, seed=12)
+    allowed = allowed_token_mask(bitmask.cpu(), vocab)
+    assert bool(allowed.any(dim=-1).all())  # every row has a token to sample
+    masked = apply_token_bitmask(x, bitmask)  # the spec's mask
+    args = {
+        "temperature": torch.tensor([0.0, 1.0, 0.7], device=DEVICE),
+        "top_k": torch.tensor([0, 8, 0], device=DEVICE),
+        "top_p": torch.tensor([1.0, 1.0, 0.9], device=DEVICE),
+        "min_p": torch.tensor([0.0, 0.0, 0.05], device=DEVICE),
+        "seed": torch.tensor([1, -2, 3], device=DEVICE),
+        "step": torch.tensor([0, 4, 9], device=DEVICE),
+    }
+    tokens = impl.op("sample")(x, **args, token_bitmask=bitmask)
+    assert torch.equal(tokens, impl.op("sample")(masked, **args))
+    assert_tokens_conform(masked, args, tokens)
+    assert bool(allowed[torch.arange(batch), tokens.cpu()].all()), tokens.tolist()
+    out = impl.op("process_logits")(x, **without_seed(args), token_bitmask=bitmask)
+    want = impl.op("process_logits")(masked, **without_seed(args))
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (
+        f"differs at {(out.view(torch.int32) != want.view(torch.int32)).nonzero().tolist()[:10]}"
+    )
+    assert_processed_conforms(masked, args, out)
+
+
 @pytest.mark.clause("MASK-SAMPLE-1", "SAMPLE-GREEDY-1")
 def test_a_masked_maximum_tied_with_an_allowed_one_loses(impl):
     """Greedy takes the smallest allowed index among the maxima: masked tokens tied
@@ -223,11 +260,21 @@ def test_min_tokens_against_a_complete_grammar_is_an_invalid_row(impl):
         (torch.full((3, 1), -1, dtype=torch.int32), "shape"),
         (torch.full((2, 0), -1, dtype=torch.int32), "shape"),
         (torch.full((2,), -1, dtype=torch.int32), "shape"),
+        (torch.full((2, 1, 1), -1, dtype=torch.int32), "shape"),
+        (torch.full((2, 1), 1, dtype=torch.uint32), "int32"),
+        (torch.empty((2, 1), dtype=torch.int32, device="meta"), "meta"),
     ],
 )
 @pytest.mark.parametrize("op", ["sample", "process_logits"])
-def test_a_malformed_token_bitmask_is_named(impl, op, bitmask, problem):
-    impl.require("token_bitmask")
-    args = {"temperature": torch.zeros(2, device=DEVICE), "token_bitmask": bitmask.to(DEVICE)}
+@pytest.mark.parametrize("under", ["spec", "impl"])
+def test_a_malformed_token_bitmask_is_named(impl, under, op, bitmask, problem):
+    """Refused, naming token_bitmask, by the spec itself and by the implementation. Any
+    width of at least one word is well formed (MASK-WIDTH-1): a narrower bitmask is no
+    error, its columns past 32 · words are disallowed."""
+    if under == "impl":
+        impl.require("token_bitmask")
+    if bitmask.device.type != "meta":
+        bitmask = bitmask.to(DEVICE)
+    args = {"temperature": torch.zeros(2, device=DEVICE), "token_bitmask": bitmask}
     with pytest.raises(ValueError, match=rf"token_bitmask.*{problem}|{problem}.*token_bitmask"):
-        impl.op(op)(torch.zeros(2, 5, device=DEVICE), **args)
+        op_under_test(impl, under, op)(torch.zeros(2, 5, device=DEVICE), **args)

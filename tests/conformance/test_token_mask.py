@@ -268,6 +268,67 @@ def test_columns_past_the_bitmask_are_disallowed(impl, data):
     assert bool((out[:, 32 * words :] == -math.inf).all())
 
 
+# How an engine's bitmask may be laid out (MASK-WIDTH-1): ceil(V / 32) words, more
+# (a vocabulary padded for the model: their bits are ignored), fewer (logits wider
+# than the bitmask: the columns past it are disallowed), or a view of a bigger
+# buffer whose row stride is not its width. Implementations read each row at the
+# bitmask's own strides.
+BITMASK_LAYOUTS = (
+    "exact",
+    "wider by 1",
+    "wider by 3",
+    "column slice",
+    "row slice",
+    "broadcast row",
+    "column-major",
+    "narrower by 1",
+    "one word",
+)
+
+
+def laid_out_bitmask(batch: int, vocab: int, layout: str, seed: int) -> torch.Tensor:
+    """A random `[batch, words]` int32 bitmask of `[batch, vocab]` logits, laid out as
+    `layout` (BITMASK_LAYOUTS); every bit, padding and extra words included, random."""
+    need = (vocab + 31) // 32
+    if layout == "exact":
+        return random_bitmask(batch, need, "random", seed)
+    if layout.startswith("wider by "):
+        return random_bitmask(batch, need + int(layout.removeprefix("wider by ")), "random", seed)
+    if layout == "column slice":  # words 1 .. need + 1 of a buffer need + 4 words wide
+        return random_bitmask(batch, need + 4, "random", seed)[:, 1 : need + 2]
+    if layout == "row slice":  # every other row of a taller buffer: row stride 2 · need
+        return random_bitmask(2 * batch, need, "random", seed)[::2]
+    if layout == "broadcast row":  # one grammar for the whole batch: row stride 0
+        return random_bitmask(1, need, "random", seed).expand(batch, need)
+    if layout == "column-major":  # one word wider; words `batch` apart, rows 1 apart
+        return random_bitmask(need + 1, batch, "random", seed).t()
+    if layout == "narrower by 1":
+        return random_bitmask(batch, max(1, need - 1), "random", seed)
+    if layout == "one word":
+        return random_bitmask(batch, 1, "random", seed)
+    raise ValueError(layout)
+
+
+@pytest.mark.clause("MASK-WIDTH-1", "MASK-LAYOUT-1")
+@pytest.mark.parametrize("layout", BITMASK_LAYOUTS)
+def test_a_bitmask_of_any_width_and_strides_is_read_row_by_row(impl, layout):
+    """Each row of the bitmask is read at the bitmask's own strides: the result is bit
+    for bit the spec's, and that of the same mask copied to ceil(V / 32) contiguous words
+    (padding bits cleared, the columns past a narrower bitmask disallowed)."""
+    batch, vocab = 3, 70
+    x = poisoned(make_logits(batch, vocab, "normal", seed=5).to(DEVICE), seed=6)
+    bitmask = laid_out_bitmask(batch, vocab, layout, seed=7)
+    out = apply(impl, x, bitmask)
+    assert_bit_equal(out, reference(x, bitmask))
+    assert_bit_equal(out.cpu(), expected(x, bitmask))
+    allowed = allowed_bits(bitmask, vocab).to(torch.int64)
+    words = torch.zeros(batch, 32 * ((vocab + 31) // 32), dtype=torch.int64)
+    words[:, :vocab] = allowed
+    words = (words.view(batch, -1, 32) << torch.arange(32)).sum(-1)
+    canonical = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).to(DEVICE)
+    assert_bit_equal(out, apply(impl, x, canonical))
+
+
 # ---------------------------------------------------------------- rows
 
 
@@ -377,25 +438,37 @@ def _bad_arguments():
         ("logits", ValueError, (torch.zeros(2, 0), ok, None)),
         ("bitmask", ValueError, (x, ok.to(torch.int64), None)),
         ("bitmask", ValueError, (x, ok.to(torch.int16), None)),
+        ("bitmask", ValueError, (x, ok.to(torch.uint32), None)),
+        ("bitmask", ValueError, (x, ok[:, :, None], None)),
         ("bitmask", ValueError, (x, ok[0], None)),
         ("bitmask", ValueError, (x, ok[:1], None)),
         ("bitmask", ValueError, (x, ok[:, :0], None)),
         ("bitmask", ValueError, (x, torch.empty((2, 2), dtype=torch.int32, device="meta"), None)),
         ("indices", ValueError, (x, ok, torch.tensor([2]))),
         ("indices", ValueError, (x, ok, torch.tensor([-1]))),
+        ("indices", ValueError, (x, ok, torch.tensor([0, 1, 5], dtype=torch.int32))),
+        ("indices", ValueError, (x, ok, torch.tensor([0], dtype=torch.int16))),
         ("indices", ValueError, (x, ok, torch.tensor([[0]]))),
         ("indices", ValueError, (x, ok, torch.tensor([0.0]))),
         ("indices", ValueError, (x, ok, torch.empty(1, dtype=torch.int64, device="meta"))),
     ]
 
 
+def op_under_test(impl, under: str, name: str):
+    """The spec's operation `name` (its own argument checks) or the implementation's."""
+    return registry.OPERATIONS[name].reference if under == "spec" else impl.op(name)
+
+
 @pytest.mark.clause("MASK-VALID-1")
 @pytest.mark.parametrize(
     ("name", "error", "args"), _bad_arguments(), ids=lambda v: getattr(v, "__name__", None)
 )
-def test_invalid_arguments_are_named(impl, name, error, args):
+@pytest.mark.parametrize("under", ["spec", "impl"])
+def test_invalid_arguments_are_named(impl, under, name, error, args):
+    """Every bad argument is refused, naming it, by the spec itself and by the
+    implementation: never an IndexError from deep inside, nor a garbage result."""
     x, bitmask, indices = (
         a.to(DEVICE) if isinstance(a, torch.Tensor) and a.device.type != "meta" else a for a in args
     )
     with pytest.raises(error, match=rf"\b{name}\b"):
-        impl.op("apply_token_bitmask")(x, bitmask, indices)
+        op_under_test(impl, under, "apply_token_bitmask")(x, bitmask, indices)
