@@ -152,6 +152,11 @@ def sampling_calls() -> None:
         "repetition_penalty": torch.ones(batch),
         "frequency_penalty": torch.zeros(batch),
         "presence_penalty": torch.zeros(batch),
+        # A grammar's mask, wider than ceil(vocab / 32) words and strided: the launch
+        # with the bitmask on, at its own row stride.
+        "token_bitmask": torch.full((batch, 2 * vocab // 32 + 2), -1, dtype=torch.int32)[
+            :, : vocab // 32 + 2
+        ],
     }
     # The launch is intercepted: the token and scratch buffers are never written, so
     # the wrappers' invalid-row checks read garbage. Only the launches matter here.
