@@ -17,7 +17,7 @@ from decodespec.spec.generate import TokenLogprobs
 
 from .openai_api import APIRequest
 from .request import RequestOutput, RequestStepOutput
-from .scoring_api import finite, legacy_prompt_logprobs
+from .scoring_api import finite, legacy_prompt_logprobs, legacy_top
 from .scoring_api import vllm_prompt_logprobs as vllm_prompt
 from .tokenizer import Tokenizer
 
@@ -168,8 +168,7 @@ class Responder:
         for step in steps:
             legacy["tokens"].append(self._legacy_token(step.token_id))
             legacy["token_logprobs"].append(finite(step.logprob))
-            top = {self._legacy_token(t): finite(lp) for t, lp in step.top}
-            legacy["top_logprobs"].append(top)
+            legacy["top_logprobs"].append(legacy_top(step.top, self._legacy_token))
             legacy["text_offset"].append(self.text_offset)
             self.text_offset += len(self._text(step.token_id))
         return legacy

@@ -137,7 +137,9 @@ def parse_request(
     """
     if not isinstance(body, dict):
         raise bad_param(None, f"the request body must be a JSON object, got {_json_kind(body)}")
-    body = {k: v for k, v in body.items() if v is not None}  # null means "not given"
+    # null means "not given", as OpenAI and vLLM (whose pydantic models default to None)
+    # read it: `"seed": null` is no seed, `"guided_json": null` no structured output.
+    body = {k: v for k, v in body.items() if v is not None}
     unknown = sorted(set(body) - FIELDS[kind])
     if unknown:
         raise bad_param(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
@@ -153,6 +155,7 @@ def parse_request(
         raise bad_param("n", f"n must be 1 (one choice per request), got {body['n']}")
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
+    options = {k: v for k, v in options.items() if v is not None}  # null: not given
     if options and not stream:
         raise bad_param("stream_options", "stream_options is only allowed when stream is true")
     unknown = sorted(set(options) - {"include_usage"})

@@ -4,8 +4,9 @@
   the completion; with `logprobs: n` its legacy logprobs (`tokens`,
   `token_logprobs`, `top_logprobs`, `text_offset`) cover the prompt's tokens
   first — the first with a null logprob and null alternatives, as OpenAI and
-  vLLM answer — then the completion's. A stream sends the prompt (and its
-  logprobs) in the chunk of the first token.
+  vLLM answer, the others with the top n alternatives whatever
+  `prompt_logprobs` asks — then the completion's. A stream sends the prompt
+  (and its logprobs) in the chunk of the first token.
 - `echo: true` with `max_tokens: 0` scores the prompt only (lm-eval's
   loglikelihood requests): the engine runs the request for one token, which
   is dropped — from the text, the logprobs and the usage; the finish reason
@@ -23,7 +24,7 @@ parameters.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from decodespec.spec.generate import TokenLogprobs
@@ -117,10 +118,30 @@ def legacy_prompt_logprobs(
             legacy["top_logprobs"].append(None)
         else:
             legacy["token_logprobs"].append(finite(record.logprob))
-            legacy["top_logprobs"].append({name(t): finite(lp) for t, lp in record.top[:top]})
+            legacy["top_logprobs"].append(legacy_top(record.top[:top], name))
         legacy["text_offset"].append(offset)
         offset += len(text(token))
     return legacy
+
+
+def legacy_top(alternatives: Iterable[tuple[int, float]], name: Callable[[int], str]) -> dict:
+    """A legacy `top_logprobs` entry: the alternatives (most likely first) by name.
+
+    Two tokens may share a name — special tokens without text, or
+    SentencePiece's "▁a" and "a", each decoded alone. The more likely keeps
+    it and the other is named `token_id:N` (vLLM's spelling for tokens as
+    ids), so that the entry holds every one of the k alternatives asked for,
+    each with its own logprob.
+
+    Example:
+        >>> legacy_top([(7, -0.5), (8, -1.0), (9, -2.0)], {7: "a", 8: "", 9: "a"}.get)
+        {'a': -0.5, '': -1.0, 'token_id:9': -2.0}
+    """
+    entry: dict = {}
+    for token, logprob in alternatives:
+        key = name(token)
+        entry[f"token_id:{token}" if key in entry else key] = finite(logprob)
+    return entry
 
 
 def vllm_prompt_logprobs(

@@ -16,7 +16,12 @@ vLLM's extra body field `structured_outputs`, one of `{"json": schema}`,
 `{"json_object": true}`, and its older top-level spellings `guided_json`,
 `guided_regex`, `guided_grammar` and `guided_choice`.
 
-A request gives at most one of them. Every error is a `GrammarError` whose
+A request gives at most one of them. A field set to null is not given (the
+request parser drops top-level nulls; here, nulls inside `structured_outputs`
+and a null `json_schema.schema`), nor is `"json_object": false` in
+`structured_outputs`, nor `response_format` `{"type": "text"}`, which asks
+for no constraint: `{"regex": "a+", "json_object": false}` is a regex, as
+vLLM's and OpenAI's clients may send it. Every error is a `GrammarError` whose
 `.param` names the field at fault; the grammar itself is compiled, and its
 errors raised, by the engine when the request is added (`Grammars.compile`).
 """
@@ -41,7 +46,7 @@ def parse_structured_output(body: Mapping[str, object]) -> StructuredOutput | No
         >>> parse_structured_output({"structured_outputs": {"choice": ["yes", "no"]}}).choices
         ('yes', 'no')
     """
-    given = [name for name in FIELDS if name in body]
+    given = [name for name in FIELDS if name in body and not _unconstrained(name, body[name])]
     if len(given) > 1:
         raise GrammarError(given[1], f"give one of {' and '.join(given)}, not both")
     if not given:
@@ -53,6 +58,13 @@ def parse_structured_output(body: Mapping[str, object]) -> StructuredOutput | No
     if name == "structured_outputs":
         return _structured_outputs(value)
     return _vllm(VLLM_KINDS[name.removeprefix("guided_")], value, name)
+
+
+def _unconstrained(name: str, value: object) -> bool:
+    """A field that asks for no structured output: null, or `response_format` text."""
+    if value is None:
+        return True
+    return name == "response_format" and isinstance(value, dict) and value.get("type") == "text"
 
 
 def _response_format(value: object) -> StructuredOutput | None:
@@ -78,8 +90,8 @@ def _response_format(value: object) -> StructuredOutput | None:
             "response_format", "response_format.json_schema.strict must be a boolean"
         )
     field = "response_format.json_schema.schema"
-    if "schema" not in spec:
-        # OpenAI's schema is optional: without one, the answer is any JSON value (the
+    if spec.get("schema") is None:
+        # OpenAI's schema is optional: without one (or null), the answer is any JSON value (the
         # empty schema), strict or not.
         return StructuredOutput.json_schema({}, field=field)
     schema = spec["schema"]
@@ -138,7 +150,11 @@ def _subschemas(schema: object, where: str) -> Iterator[tuple[str, dict]]:
 def _structured_outputs(value: object) -> StructuredOutput:
     if not isinstance(value, dict):
         raise GrammarError("structured_outputs", "structured_outputs must be an object")
-    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    # null is not given, and so is json_object false (the only flag); another field's false
+    # is a wrong type, refused below naming it.
+    given = {
+        k: v for k, v in value.items() if v is not None and not (k == "json_object" and v is False)
+    }
     unknown = sorted(set(given) - {*VLLM_KINDS, "json_object"})
     if unknown:
         raise GrammarError(

@@ -201,3 +201,48 @@ def test_bad_scoring_fields_are_400s_naming_the_field(client, route, body, param
     assert response.json()["error"]["param"] == param
     answer = post(client, {"prompt": "hi", "max_tokens": 2, "echo": True, "logprobs": 0})
     assert answer["choices"][0]["text"].startswith("hi")
+
+
+def streamed_choice(client, body: dict) -> dict:
+    """A completions stream's chunks as one choice: the legacy logprobs joined, and the
+    prompt_logprobs of the chunk that carries them."""
+    choices = [c["choices"][0] for c in stream(client, body) if c["choices"]]
+    logprobs = [c["logprobs"] for c in choices if c["logprobs"]]
+    prompt = [c["prompt_logprobs"] for c in choices if "prompt_logprobs" in c]
+    assert len(prompt) == 1, "prompt_logprobs come once, with the first token"
+    joined = {key: [v for lp in logprobs for v in lp[key]] for key in logprobs[0]}
+    return {"logprobs": joined, "prompt_logprobs": prompt[0]}
+
+
+@pytest.mark.parametrize("max_tokens", [0, 2])
+@pytest.mark.parametrize(("k", "m"), [(3, 1), (1, 4), (2, 0), (0, 3)])
+def test_echo_logprobs_and_prompt_logprobs_keep_their_own_counts(client, weights, k, m, max_tokens):
+    """echo with `logprobs: k` and `prompt_logprobs: m`: each echoed prompt token has
+    the top k alternatives (the first none, as OpenAI answers), each generated
+    token k too, and vLLM's prompt_logprobs the top m (and the token itself),
+    whatever the other count — the whole answer and the stream alike."""
+    ids = list(PROMPT.encode())
+    lsm = spec_scores(weights, ids)
+    body = {"prompt": PROMPT, "echo": True, "logprobs": k, "prompt_logprobs": m}
+    body |= {"max_tokens": max_tokens, "temperature": 0}
+    for choice in (post(client, body)["choices"][0], streamed_choice(client, body)):
+        tops = choice["logprobs"]["top_logprobs"]
+        assert len(tops) == len(ids) + max_tokens and tops[0] is None
+        for t in range(1, len(ids)):
+            want = lsm[t - 1].topk(k).values.tolist()
+            got = sorted(tops[t].values(), reverse=True)
+            assert len(got) == k, f"prompt token {t}: {len(got)} alternatives, logprobs is {k}"
+            assert all(math.isclose(a, b, abs_tol=TOL) for a, b in zip(got, want, strict=True))
+        assert all(len(top) == k for top in tops[len(ids) :])
+        check_vllm_format(choice["prompt_logprobs"], ids, m, lsm)
+
+
+def test_chat_top_logprobs_and_prompt_logprobs_keep_their_own_counts(client, weights):
+    chat_ids = list(b"<user>hi there<assistant>")
+    lsm = spec_scores(weights, chat_ids)
+    body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2}
+    for k, m in ((3, 1), (1, 3)):
+        fields = {"logprobs": True, "top_logprobs": k, "prompt_logprobs": m, "temperature": 0}
+        choice = post(client, {**body, **fields}, "/v1/chat/completions")["choices"][0]
+        assert [len(t["top_logprobs"]) for t in choice["logprobs"]["content"]] == [k, k]
+        check_vllm_format(choice["prompt_logprobs"], chat_ids, m, lsm)
