@@ -67,7 +67,7 @@ ACTIVATION_DTYPE = {
 class LoadSummary(str):
     """A progress message that stays: what a weight format kept and what it quantized.
     Progress callbacks take it as any message; one that redraws a status line keeps
-    this one (`cli.load_model_with_progress`): nothing is requantized unsaid."""
+    this one (`cli_options.load_model_with_progress`): nothing is requantized unsaid."""
 
 
 @dataclass(frozen=True)

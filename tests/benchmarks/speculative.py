@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from decodespec.reference.cli import prompt_ids
+from decodespec.reference.cli_options import prompt_ids
 from decodespec.reference.engine import Engine
 from decodespec.reference.request import RequestOutput
 from decodespec.spec.forward import ModelWeights

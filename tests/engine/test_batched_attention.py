@@ -16,7 +16,7 @@ import torch
 
 from decodespec.reference import batched_attention
 from decodespec.reference.backend import SPEC_BACKEND, STAGE_OPERATIONS, get_backend
-from decodespec.reference.cli import _parser
+from decodespec.reference.cli import build_parser
 from decodespec.reference.engine import Engine
 from decodespec.spec.attention import paged_attention as spec_paged_attention
 from decodespec.spec.params import SamplingParams
@@ -118,7 +118,7 @@ def test_the_engine_speculates_on_it_with_the_spec_backends_tokens():
 
 
 def test_serve_defaults_to_it_and_generate_to_the_spec():
-    parser = _parser()
+    parser = build_parser()
     assert parser.parse_args(["serve"]).backend == "torch"
     assert parser.parse_args(["generate", "hi"]).backend == "spec"
     assert parser.parse_args(["generate", "hi", "--backend", "torch"]).backend == "torch"

@@ -1,7 +1,8 @@
 """The `decodespec` command on the bundled SmolLM2-135M-Instruct: output, flags, errors.
 
 The model loads once per module. Each CLI call runs in-process (`decodespec.reference.cli.main`)
-with the CLI's loader (`decodespec.reference.cli.load_model_with_progress`) patched to return
+with the commands' loader (`cli_options.load_model_with_progress`, as `cli_generate` and
+`cli_serve` imported it) patched to return
 that model, so a call costs its generation only; a `--model PATH` still goes to the real loader. Two
 runs of the installed command check the real process. The greedy continuation is
 compared token for token with transformers reading the same GGUF file.
@@ -27,7 +28,7 @@ import pytest
 import torch
 
 from decodespec import kernels
-from decodespec.reference import cli
+from decodespec.reference import cli, cli_demo, cli_generate, cli_options, cli_serve
 from decodespec.reference import runner as runner_module
 from decodespec.reference.engine import Engine
 from decodespec.reference.loader import load_model
@@ -38,7 +39,7 @@ from tests.engine.checkpoints import hf_model_from_gguf
 
 QUESTION = "What is the capital of France?"
 REPO = Path(__file__).resolve().parents[2]
-REAL_LOAD = cli.load_model_with_progress  # the CLI's own loader, before any test patches it
+REAL_LOAD = cli_options.load_model_with_progress  # the CLI's own loader, before any test patches it
 JSON_KEYS = {
     "text",
     "token_ids",
@@ -103,7 +104,8 @@ def run_cli(model: tuple | None, *argv: str) -> Run:
         contextlib.redirect_stdout(out),
         contextlib.redirect_stderr(err),
     ):
-        patch.setattr(cli, "load_model_with_progress", load)
+        for command in (cli_generate, cli_serve):
+            patch.setattr(command, "load_model_with_progress", load)
         code = cli.main(list(argv))
     return Run(code, out.getvalue(), err.getvalue(), loads)
 
@@ -255,7 +257,7 @@ def test_json_is_one_object_and_eos_stays_in_the_ids(model, greedy):
     assert data["text"] == tokenizer.decode(ids[:-1]) and "Paris" in data["text"]
     assert "<|im_end|>" not in data["text"]
     assert data["seed"] == 5
-    assert data["prompt_tokens"] == len(cli.prompt_ids(tokenizer, QUESTION, raw=False))
+    assert data["prompt_tokens"] == len(cli_options.prompt_ids(tokenizer, QUESTION, raw=False))
     assert data["completion_tokens"] == len(ids)
     assert isinstance(data["ttft_s"], float) and data["ttft_s"] > 0
     assert isinstance(data["tokens_per_s"], float) and data["tokens_per_s"] > 0
@@ -294,7 +296,7 @@ def test_greedy_continuation_matches_transformers(model, greedy, peer):
     """Same tokens as transformers' greedy `generate` on the same GGUF (past EOS), and
     logprobs equal to the log-softmax of its logits."""
     _, tokenizer = model
-    prompt = torch.tensor([cli.prompt_ids(tokenizer, QUESTION, raw=False)])
+    prompt = torch.tensor([cli_options.prompt_ids(tokenizer, QUESTION, raw=False)])
     with torch.inference_mode():
         result = peer.generate(
             prompt,
@@ -377,8 +379,8 @@ SAMPLED_FLAGS = ("--temperature", "0.8", "--top-p", "0.9", "--seed", "7")
 @pytest.mark.clause("SAMPLE-RNG-3")
 def test_seeded_sampling_is_reproducible_and_batch_invariant(model, greedy):
     weights, tokenizer = model
-    prompt = cli.prompt_ids(tokenizer, QUESTION, raw=False)
-    other = cli.prompt_ids(tokenizer, "Name three colours.", raw=False)
+    prompt = cli_options.prompt_ids(tokenizer, QUESTION, raw=False)
+    other = cli_options.prompt_ids(tokenizer, "Name three colours.", raw=False)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
 
     # Alone, twice on one engine (the second run reuses the first one's cache blocks).
@@ -513,7 +515,7 @@ def test_eos_on_the_last_allowed_token_reports_stop(model, greedy):
 def test_characters_split_across_tokens_stream_whole(model):
     """Japanese output: each character's bytes are split over two tokens."""
     weights, tokenizer = model
-    prompt = cli.prompt_ids(tokenizer, "Write 'naïve café' in Japanese.", raw=False)
+    prompt = cli_options.prompt_ids(tokenizer, "Write 'naïve café' in Japanese.", raw=False)
     engine = Engine(weights, tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     events = list(engine.generate(prompt, params))
@@ -681,7 +683,7 @@ def test_later_prompts_reuse_the_system_prompts_blocks(model):
     plain = run_cli(model, *argv, *flags, "--no-prefix-caching")
     first, second = [json.loads(line) for line in cached.out.splitlines()]
     assert cached.code == plain.code == 0, cached.err + plain.err
-    ids = [cli.prompt_ids(tokenizer, q, False, system) for q in argv[1:3]]
+    ids = [cli_options.prompt_ids(tokenizer, q, False, system) for q in argv[1:3]]
     shared = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
     assert first["cached_tokens"] == 0 and second["cached_tokens"] == shared // 16 * 16 > 0
     assert [json.loads(line)["cached_tokens"] for line in plain.out.splitlines()] == [0, 0]
@@ -891,7 +893,7 @@ def test_closed_stdout_ends_quietly(model):
         contextlib.redirect_stdout(ClosedPipe()),
         contextlib.redirect_stderr(err),
     ):
-        patch.setattr(cli, "load_model_with_progress", lambda path, weights=None: model)
+        patch.setattr(cli_generate, "load_model_with_progress", lambda path, weights=None: model)
         code = cli.main(["generate", QUESTION, "--max-tokens", "4"])
     assert code != 0
     assert "Traceback" not in err.getvalue()
@@ -921,7 +923,7 @@ def test_demo_shows_the_filters_and_seeded_draws():
     assert run.code == 0 and run.loads == []  # no model needed
     assert run.out.splitlines()[0] == "temperature=1.0 top_k=0 top_p=0.9 min_p=0.0 seed=0"
     table, draws = parse_demo(run.out)
-    assert len(table) == len(cli.EXAMPLE_TOKENS)
+    assert len(table) == len(cli_demo.EXAMPLE_TOKENS)
     assert math.fsum(r[1] for r in table) == pytest.approx(1, abs=1e-3)
     assert math.fsum(r[2] for r in table) == pytest.approx(1, abs=1e-3)
     mass_above = 0.0

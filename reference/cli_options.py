@@ -1,0 +1,135 @@
+"""What the `decodespec` commands share: their common flags, loading the model with
+progress on stderr, and a prompt's token ids (the chat template)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from decodespec.spec.forward import ModelWeights
+from decodespec.spec.params import PARAMETERS, SamplingParams
+
+from . import loader
+from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
+from .grammar_backends import BACKENDS as GRAMMAR_BACKENDS
+from .model_files import bundled_model_path
+from .tokenizer import Tokenizer
+from .weight_formats import WEIGHT_FORMATS, LoadSummary
+
+
+def load_model_with_progress(
+    path: str | None, weights: str | None = None
+) -> tuple[ModelWeights, Tokenizer]:
+    """The model at `path` (default: bundled) in weight format `weights`, with
+    progress on stderr; what the format kept and what it quantized is always said."""
+    model = Path(path) if path is not None else bundled_model_path()
+    start = time.perf_counter()
+    live = sys.stderr.isatty()  # redraw one status line on a terminal, else stay quiet
+
+    def report(message: str) -> None:
+        if isinstance(message, LoadSummary):
+            print(f"\r\033[K{message}" if live else message, file=sys.stderr, flush=True)
+        elif live:
+            print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+
+    if live:
+        report(f"loading {model.name} ...")
+    else:
+        print(f"loading {model.name} ...", file=sys.stderr, flush=True)
+    loaded, tokenizer = loader.load_model(model, weights=weights, progress=report)
+    end = "\r\033[K" if live else ""
+    print(f"{end}loaded {model.name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return loaded, tokenizer
+
+
+def prompt_ids(
+    tokenizer: Tokenizer, prompt: str, raw: bool, system: str | None = None
+) -> list[int]:
+    """The prompt's token ids, wrapped in the model's chat template (after the `system`
+    message, if any) unless `raw`."""
+    if raw or tokenizer.chat_template is None:
+        if system is not None:
+            raise ValueError("a system message needs the chat template (not raw)")
+        return tokenizer.encode(prompt)
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": prompt}])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def add_sampling_flags(
+    parser: argparse.ArgumentParser, names: Sequence[str] | None = None, **defaults: object
+) -> None:
+    """An option for each parameter that `SamplingParams` declares a flag for (those
+    of `names`, if given), with the field's default unless `defaults` gives another."""
+    for name, declared in PARAMETERS.items():
+        if declared.flag is None or (names is not None and name not in names):
+            continue
+        about = {"dest": name, "help": declared.help}
+        if declared.type is bool:
+            parser.add_argument(declared.flag, action="store_true", **about)
+        elif declared.type is tuple:  # a sequence: one value per use of the flag
+            parser.add_argument(
+                declared.flag, action="append", default=[], metavar=declared.metavar, **about
+            )
+        else:
+            default = defaults.get(name, SamplingParams.__dataclass_fields__[name].default)
+            parser.add_argument(
+                declared.flag, type=declared.type, default=default, metavar=declared.metavar,
+                **about,
+            )  # fmt: skip
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The parameters the command's sampling flags give."""
+    given = {name: getattr(args, name) for name in PARAMETERS if hasattr(args, name)}
+    return SamplingParams(**given)
+
+
+def torch_device(name: str) -> torch.device:
+    """`auto` is the GPU when there is one, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def speculation(spec: str | None) -> tuple[str | None, str | None]:
+    """`--speculate` as the engine's `speculate` and the draft model's path."""
+    if spec is None or spec == "ngram":
+        return spec, None
+    if spec.startswith("layers:"):
+        if not spec.removeprefix("layers:").isdigit():
+            raise ValueError(f"--speculate {spec}: N of layers:N must be a positive integer")
+        return spec, None
+    if spec.startswith("model:") and len(spec) > len("model:"):
+        path = spec.removeprefix("model:")
+        if not Path(path).exists():
+            raise ValueError(f"--speculate {spec}: no file or directory {path}")
+        return "model", path
+    raise ValueError(f"--speculate must be ngram, layers:N or model:PATH, got {spec!r}")
+
+
+def add_weights_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default="float32",
+        help="weight format: float32 (default, the reference), bfloat16, int8 (per channel) "
+        "or int4 (groups of 32; a GGUF file's own 4-bit blocks kept): the int formats run on "
+        "PyTorch's CPU kernels with the torch backend",
+    )
+
+
+def add_grammar_backend_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--grammar-backend",
+        choices=GRAMMAR_BACKENDS,
+        default=DEFAULT_GRAMMAR_BACKEND,
+        help=f"the library that compiles structured outputs (default {DEFAULT_GRAMMAR_BACKEND})",
+    )
