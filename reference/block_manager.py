@@ -98,10 +98,7 @@ class BlockManager:
 
     def shrink(self, request: Request, positions: int) -> None:
         """Give back the request's blocks past its first `positions` positions."""
-        self.truncate(request, self.blocks_for(positions))
-
-    def truncate(self, request: Request, num_blocks: int) -> None:
-        """Give back the request's blocks past its first `num_blocks`."""
+        num_blocks = self.blocks_for(positions)
         if len(request.blocks) > num_blocks:
             self.allocator.free(request.blocks[num_blocks:])
             del request.blocks[num_blocks:]
@@ -140,9 +137,6 @@ class NaiveBlockManager:
         return True
 
     def shrink(self, request: Request, positions: int) -> None:
-        pass
-
-    def truncate(self, request: Request, num_blocks: int) -> None:
         pass
 
     def free(self, request: Request) -> None:

@@ -24,6 +24,7 @@ speculative sampling requires.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import replace
 from typing import Protocol
 
@@ -33,9 +34,11 @@ from torch import Tensor
 from decodespec.spec.forward import ModelWeights, forward_cached
 from decodespec.spec.rng import uniform
 from decodespec.spec.sampling import greedy
+from decodespec.spec.token_mask import bitmask_words
 
 from .backend import Backend
 from .cache import PagedKVCache
+from .logits_state import GrammarWalk
 from .request import Draft, Request
 from .sampler import Sampler
 
@@ -118,8 +121,9 @@ class ModelDrafter:
     block ids). `shares_target_cache` says they are the target's own first
     layers: then every position the target has cached is valid for the
     drafter too. Otherwise `request.draft_cached` counts the positions the
-    drafter itself has cached; the engine lowers it when a rollback
-    discards positions.
+    drafter itself has cached: `propose` reads it and returns the new count
+    (`Draft.drafter_cached`), which the scheduler applies with the pass's
+    outcome and lowers when a rollback discards positions.
     """
 
     def __init__(
@@ -190,12 +194,22 @@ class ModelDrafter:
         return cls(draft, own.layers, own, sampler, shares_target_cache=False, **ops)
 
     def propose(self, requests: list[Request], counts: list[int]) -> list[Draft]:
-        """Sample up to `counts[i]` tokens for each request, one batched forward per draft."""
+        """Sample up to `counts[i]` tokens for each request, one batched forward per draft.
+        A request's grammar is walked along its drafts as they are drawn (each draft
+        distribution is masked), and rolled back when drafting ends."""
+        with ExitStack() as stack:
+            walks = [stack.enter_context(r.logits_state.walk()) for r in requests]
+            return self._draft(requests, counts, walks)
+
+    def _draft(
+        self, requests: list[Request], counts: list[int], walks: list[GrammarWalk | None]
+    ) -> list[Draft]:
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[Tensor]] = [[] for _ in requests]
         # Positions of each sequence whose K/V this drafter's layers hold.
         cached = [r.num_cached if self.shares_target_cache else r.draft_cached for r in requests]
         live = [i for i, count in enumerate(counts) if count > 0]
+        words = bitmask_words(self.weights.config.vocab_size)
         while live:
             batch = [requests[i] for i in live]
             # What the drafter has not cached yet: the last token (or the prompt, or
@@ -216,28 +230,39 @@ class ModelDrafter:
                 attention=self.attention,
                 append=self.append,
             )
+            bitmask = None
+            if any(walks[i] is not None for i in live):
+                bitmask = torch.full((len(live), words), -1, dtype=torch.int32)
+                for row, i in enumerate(live):
+                    if walks[i] is not None:
+                        walks[i].fill(bitmask[row])
             q, seed, step, valid = self.sampler.draft_distributions(
                 logits,
                 [r.logits_state for r in batch],
                 [r.output_ids + tokens[i] for i, r in zip(live, batch, strict=True)],
+                bitmask,
             )
             noise = -(
                 -uniform(seed, step, q.shape[-1], stream=DRAFT_STREAM, dtype=q.dtype).log()
             ).log()
             drawn = greedy(q.log() + noise).tolist()  # one-hot q (greedy rows): its argmax
             still = []
-            for row, (i, r) in enumerate(zip(live, batch, strict=True)):
+            for row, i in enumerate(live):
                 cached[i] = starts[row] + len(new[row])
-                if not self.shares_target_cache:
-                    r.draft_cached = cached[i]
                 if not bool(valid[row]):
-                    continue  # NaN or infinite draft logits: the draft ends here
+                    continue  # NaN or infinite draft logits (or none allowed): it ends here
+                if walks[i] is not None and not walks[i].accept(drawn[row]):
+                    continue  # the mask allowed it, the grammar did not: it ends here
                 tokens[i].append(drawn[row])
                 probs[i].append(q[row])
                 if len(tokens[i]) < counts[i]:
                     still.append(i)
             live = still
-        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs, strict=True)]
+        own = not self.shares_target_cache
+        return [
+            Draft(t, torch.stack(p) if p else None, drafter_cached=c if own else None)
+            for t, p, c in zip(tokens, probs, cached, strict=True)
+        ]
 
 
 def make_drafter(

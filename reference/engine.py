@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -30,6 +31,7 @@ from decodespec.spec import params as sampling_params
 from decodespec.spec.forward import ModelWeights
 from decodespec.spec.params import SamplingParams
 from decodespec.spec.stop import StopChecker
+from decodespec.spec.token_mask import bitmask_words
 
 from .backend import check_backend_device, get_backend
 from .block_manager import BlockManager, NaiveBlockManager
@@ -41,7 +43,7 @@ from .logits_state import LogitsState
 from .request import Draft, PassOutcome, Request, RequestOutput, RequestStepOutput
 from .runner import ModelRunner, NaiveModelRunner, PagedModelRunner
 from .sampler import Sampler
-from .scheduler import PassCheckpoint, Scheduler
+from .scheduler import Scheduler
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -50,13 +52,6 @@ def _check_int(name: str, value: object, low: int) -> int:
     if value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
-
-
-def _cut(draft: Draft, keep: int) -> Draft:
-    """The first `keep` tokens of a draft, with their distributions."""
-    if keep == len(draft.tokens):
-        return draft
-    return Draft(draft.tokens[:keep], None if draft.probs is None else draft.probs[:keep])
 
 
 class Engine:
@@ -315,15 +310,13 @@ class Engine:
 
     @torch.inference_mode()  # no autograd bookkeeping on any op of the loop
     def step(self) -> list[RequestStepOutput]:
-        """Schedule, draft, run one pass, then append each request's tokens."""
+        """Schedule, draft and run one pass, then postprocess: append each request's
+        tokens. The pass changes no request, so a failed one is simply dropped."""
         batch = self.scheduler.schedule()
-        checkpoints = [self.scheduler.checkpoint(r) for r in batch]
         try:
             outcomes = self._pass(batch) if batch else []
-        except Exception:  # someone's fault: undo, and run each request alone to find whose
-            for r, checkpoint in zip(batch, checkpoints, strict=True):
-                self.scheduler.restore(r, checkpoint)
-            outcomes = [self._pass_alone(r, c) for r, c in zip(batch, checkpoints, strict=True)]
+        except Exception:  # someone's fault: run each request alone to find whose
+            outcomes = [self._pass_alone(r) for r in batch]
         now = time.perf_counter()
         outputs: list[RequestStepOutput] = []
         for request, outcome in zip(batch, outcomes, strict=True):
@@ -338,16 +331,21 @@ class Engine:
             drafts = [Draft([]) for _ in batch]
         else:
             drafts = self.drafter.propose(batch, [r.draft_slots for r in batch])
-            # Drafts the grammar rejects are cut before verification (MASK-ADVANCE-1).
-            drafts = [
-                _cut(d, r.logits_state.grammar_prefix(d.tokens))
-                for r, d in zip(batch, drafts, strict=True)
-            ]
+        drafts = [self._constrain(r, d) for r, d in zip(batch, drafts, strict=True)]
         return self.runner.run(batch, drafts, self.show_probs)
 
-    def _pass_alone(self, request: Request, checkpoint: PassCheckpoint) -> PassOutcome:
+    def _constrain(self, request: Request, draft: Draft) -> Draft:
+        """The draft with its grammar's masks, cut before the first token the grammar
+        rejects (MASK-ADVANCE-1): one sweep of the matcher (`grammar_rows`)."""
+        words = bitmask_words(self.config.vocab_size)
+        allowed, bitmask = request.logits_state.grammar_rows(draft.tokens, words)
+        if bitmask is None:
+            return draft
+        probs = None if draft.probs is None else draft.probs[:allowed]
+        return replace(draft, tokens=draft.tokens[:allowed], probs=probs, bitmask=bitmask)
+
+    def _pass_alone(self, request: Request) -> PassOutcome:
         try:
             return self._pass([request])[0]
         except Exception as error:
-            self.scheduler.restore(request, checkpoint)
             return PassOutcome(error=f"{type(error).__name__}: {error}")

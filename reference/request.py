@@ -48,17 +48,25 @@ class Draft:
     """A request's proposed tokens and the distributions they were drawn from.
 
     `probs` is `[len(tokens), vocab]`, or None for a deterministic drafter
-    (one-hot distributions).
+    (one-hot distributions). `bitmask` is the grammar's mask of each row the
+    pass runs for the request, `[len(tokens) + 1, words]` (after its output,
+    then after each draft: `LogitsState.grammar_rows`), None without a grammar.
     """
 
     tokens: list[int]
     probs: Tensor | None = None
+    bitmask: Tensor | None = None
+    # Positions the drafter's own cache holds after drafting (a second model's cache);
+    # None for a drafter that keeps none, or shares the target's.
+    drafter_cached: int | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class PassOutcome:
     """What one forward pass gave one request: its tokens (with their logprobs and
-    candidates) and how many drafts it verified, or the error that fails it."""
+    candidates), how many drafts it verified and the cache positions it wrote, or the
+    error that fails it. A pass changes no request: the scheduler applies its outcome
+    (`Scheduler.postprocess`), and a failed pass's outcome is dropped."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
@@ -67,6 +75,10 @@ class PassOutcome:
     error: str | None = None
     # Scores of prompt tokens this pass's positions gave (`Request.prompt_positions`).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Positions whose K/V the target's cache holds after the pass (None: no cache), and
+    # the drafter's own cache (`Draft.drafter_cached`).
+    num_cached: int | None = None
+    draft_cached: int | None = None
 
 
 @dataclass
@@ -146,14 +158,11 @@ class Request:
 
     # -- speculative decoding: how many drafts to ask for
 
-    def next_draft_count(self, num_draft: int, max_context: int) -> int:
-        """How many drafts this request takes in the coming pass: at most K (its own cap,
-        else the engine's `num_draft`), what max_tokens and the context leave room
-        for (the token after the drafts always comes too), and none while drafting
-        is paused (a step of the pause passes)."""
-        if self.draft_pause > 0:
-            self.draft_pause -= 1
-            return 0
+    def drafts_wanted(self, num_draft: int, max_context: int) -> int:
+        """How many drafts this request would take in the coming pass, drafting not
+        paused: at most K (its own cap, else the engine's `num_draft`) and what
+        max_tokens and the context leave room for (the token after the drafts
+        always comes too)."""
         limit = num_draft if self.num_draft is None else self.num_draft
         count = min(limit, max_context - self.length - 1)
         if self.params.max_tokens is not None:

@@ -1,5 +1,10 @@
 """The model runner: one forward pass for a batch, then the sampler on its logits.
 
+A pass is a function of its inputs: it writes the KV cache at each request's
+new positions but changes no `Request`; what it computed (the tokens, the
+positions now cached, the prompt scores) comes back in each `PassOutcome`,
+and the scheduler applies it.
+
 `PagedModelRunner` runs each request's new tokens (and its drafts) through
 the model over the paged KV cache; `NaiveModelRunner`, its twin without a
 cache, recomputes every sequence whole. Either hands the logits to the
@@ -16,6 +21,8 @@ the spec's `forward_naive(weights, prompt)` logits give them. A long prompt's
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -52,25 +59,30 @@ class ModelRunner:
         tokens = [d.tokens for d in drafts]
         positions = [r.prompt_positions() for r in batch]
         if any(positions):
-            logits, scores = self.forward_scoring(batch, tokens, positions)
+            logits, cached, scores = self.forward_scoring(batch, tokens, positions)
         else:
-            logits, scores = self.forward(batch, tokens), [[] for _ in batch]
+            (logits, cached), scores = self.forward(batch, tokens), [[] for _ in batch]
         states = [r.logits_state for r in batch]
-        outcomes = self.sampler.choose(logits, states, drafts, show_probs)
-        for outcome, records in zip(outcomes, scores, strict=True):
-            outcome.prompt_logprobs = records
-        return outcomes
+        outputs = [r.output_ids for r in batch]
+        outcomes = self.sampler.choose(logits, states, outputs, drafts, show_probs)
+        return [
+            replace(outcome, prompt_logprobs=records, num_cached=c, draft_cached=d.drafter_cached)
+            for outcome, records, c, d in zip(outcomes, scores, cached, drafts, strict=True)
+        ]
 
-    def forward(self, batch: list[Request], drafts: list[list[int]]) -> Tensor:
-        """Logits after each request's last token and after each of its drafts:
-        `[Σ (len(drafts[b]) + 1), vocab]`, request by request."""
+    def forward(
+        self, batch: list[Request], drafts: list[list[int]]
+    ) -> tuple[Tensor, list[int | None]]:
+        """Logits after each request's last token and after each of its drafts,
+        `[Σ (len(drafts[b]) + 1), vocab]` request by request, and the positions each
+        request has cached after the pass (None: no cache)."""
         raise NotImplementedError
 
     def forward_scoring(
         self, batch: list[Request], drafts: list[list[int]], positions: list[range]
-    ) -> tuple[Tensor, list[list[TokenLogprobs]]]:
-        """`forward`'s logits, and for each request the scores of the prompt tokens
-        after its `positions` (each must run in this pass)."""
+    ) -> tuple[Tensor, list[int | None], list[list[TokenLogprobs]]]:
+        """`forward`'s logits and cached positions, and for each request the scores of
+        the prompt tokens after its `positions` (each must run in this pass)."""
         raise NotImplementedError
 
     # Prompt positions projected to logits at once: [score_rows, vocab] float32 at most.
@@ -101,8 +113,8 @@ class ModelRunner:
 
 
 class PagedModelRunner(ModelRunner):
-    """Runs the new tokens over the paged KV cache; a request's `num_cached` then
-    counts the positions the pass wrote."""
+    """Runs the new tokens over the paged KV cache, writing each request's K/V from
+    its `num_cached` positions on; the outcome says how many it then holds."""
 
     def __init__(
         self, weights: ModelWeights, backend: Backend, sampler: Sampler, cache: PagedKVCache
@@ -125,17 +137,18 @@ class PagedModelRunner(ModelRunner):
             append=self.backend.append_kv,
         )
 
-    def forward(self, batch: list[Request], drafts: list[list[int]]) -> Tensor:
+    def forward(
+        self, batch: list[Request], drafts: list[list[int]]
+    ) -> tuple[Tensor, list[int | None]]:
         token_ids, paged = self._pack(batch, drafts)
         # `forward_cached`, with the hidden states of `hidden_states`.
         hidden = self.hidden_states(token_ids, paged)
         logits = project_logits(hidden[paged.logits_indices], self.weights.output)
-        self._advance(batch, paged)
-        return logits
+        return logits, paged.seq_lens.tolist()
 
     def forward_scoring(
         self, batch: list[Request], drafts: list[list[int]], positions: list[range]
-    ) -> tuple[Tensor, list[list[TokenLogprobs]]]:
+    ) -> tuple[Tensor, list[int | None], list[list[TokenLogprobs]]]:
         token_ids, paged = self._pack(batch, drafts)
         hidden = self.hidden_states(token_ids, paged)
         logits = project_logits(hidden[paged.logits_indices], self.weights.output)
@@ -149,8 +162,7 @@ class PagedModelRunner(ModelRunner):
             rows = [start + p - r.num_cached for p in wanted]
             targets = [r.prompt_ids[p + 1] for p in wanted]
             scores.append(self.score(hidden, rows, targets, r.prompt_top or 0))
-        self._advance(batch, paged)
-        return logits, scores
+        return logits, paged.seq_lens.tolist(), scores
 
     def _pack(self, batch: list[Request], drafts: list[list[int]]) -> tuple[Tensor, PagedBatch]:
         return self.cache.paged_batch(
@@ -161,32 +173,28 @@ class PagedModelRunner(ModelRunner):
             self.weights.device,
         )
 
-    @staticmethod
-    def _advance(batch: list[Request], paged: PagedBatch) -> None:
-        for r, length in zip(batch, paged.seq_lens.tolist(), strict=True):
-            r.num_cached = length
-
 
 class NaiveModelRunner(ModelRunner):
     """No KV cache: every pass recomputes every request's whole sequence (what the
     cache saves). Takes no drafts: speculation needs the cache."""
 
-    def forward(self, batch: list[Request], drafts: list[list[int]]) -> Tensor:
+    def forward(
+        self, batch: list[Request], drafts: list[list[int]]
+    ) -> tuple[Tensor, list[int | None]]:
         device = self.weights.device
-        return torch.cat(
-            [
-                forward_naive(
-                    self.weights,
-                    torch.tensor(r.prompt_ids + r.output_ids, device=device),
-                    last_only=True,
-                )
-                for r in batch
-            ]
-        )
+        logits = [
+            forward_naive(
+                self.weights,
+                torch.tensor(r.prompt_ids + r.output_ids, device=device),
+                last_only=True,
+            )
+            for r in batch
+        ]
+        return torch.cat(logits), [None] * len(batch)
 
     def forward_scoring(
         self, batch: list[Request], drafts: list[list[int]], positions: list[range]
-    ) -> tuple[Tensor, list[list[TokenLogprobs]]]:
+    ) -> tuple[Tensor, list[int | None], list[list[TokenLogprobs]]]:
         device = self.weights.device
         logits, scores = [], []
         for r, wanted in zip(batch, positions, strict=True):
@@ -195,4 +203,4 @@ class NaiveModelRunner(ModelRunner):
             logits.append(project_logits(hidden[-1:], self.weights.output))
             targets = [r.prompt_ids[p + 1] for p in wanted]
             scores.append(self.score(hidden, list(wanted), targets, r.prompt_top or 0))
-        return torch.cat(logits), scores
+        return torch.cat(logits), [None] * len(batch), scores

@@ -29,7 +29,7 @@ from decodespec.spec.softmax import softmax
 from decodespec.spec.token_mask import bitmask_words, removed_tokens
 
 from .backend import Backend
-from .logits_state import LogitsState
+from .logits_state import LogitsState, row_outputs
 from .request import Draft, PassOutcome
 
 MODEL_INVALID = "the model produced NaN or infinite logits"
@@ -80,17 +80,14 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     def tensors(
-        self, states: Sequence[LogitsState], outputs: Sequence[list[int]], device: torch.device
+        self,
+        states: Sequence[LogitsState],
+        outputs: Sequence[list[int]],
+        device: torch.device,
+        bitmask: Tensor | None = None,
     ) -> SamplingTensors:
         """`sample`'s per-row tensors: row i has states[i]'s parameters after `outputs[i]`,
-        and its grammar's mask there (rows without a grammar allow every token)."""
-        bitmask = None
-        if any(state.matcher is not None for state in states):
-            words = bitmask_words(self.vocab_size)
-            bitmask = torch.full((len(states), words), -1, dtype=torch.int32)
-            for row, (state, output) in enumerate(zip(states, outputs, strict=True)):
-                if state.matcher is not None:
-                    state.fill_bitmask(bitmask[row], output)
+        and `bitmask[i]` as its grammar's mask (None: every row allows every token)."""
         return sampling_tensors(
             [state.params for state in states],
             vocab_size=self.vocab_size,
@@ -155,11 +152,16 @@ class Sampler:
         return probs, reasons
 
     def draft_distributions(
-        self, logits: Tensor, states: list[LogitsState], outputs: list[list[int]]
+        self,
+        logits: Tensor,
+        states: list[LogitsState],
+        outputs: list[list[int]],
+        bitmask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """For a model drafter: each row's distribution under its request's parameters
-        after `outputs[i]` (`distributions`), with the row's seed, step and validity."""
-        tensors = self.tensors(states, outputs, logits.device)
+        after `outputs[i]` and its grammar's mask `bitmask[i]` (`distributions`), with
+        the row's seed, step and validity."""
+        tensors = self.tensors(states, outputs, logits.device, bitmask)
         everything = list(range(len(logits)))
         probs, reasons = self.distributions(
             PassLogits(self, logits, tensors, everything), everything
@@ -268,22 +270,42 @@ class Sampler:
 
     # -- a whole pass
 
+    def _bitmask(self, drafts: list[Draft]) -> Tensor | None:
+        """The pass's grammar masks, row by row (rows without a grammar allow every token)."""
+        if all(d.bitmask is None for d in drafts):
+            return None
+        words = bitmask_words(self.vocab_size)
+        return torch.cat(
+            [
+                torch.full((len(d.tokens) + 1, words), -1, dtype=torch.int32)
+                if d.bitmask is None
+                else d.bitmask
+                for d in drafts
+            ]
+        )
+
     def choose(
-        self, logits: Tensor, states: list[LogitsState], drafts: list[Draft], show_probs: int = 0
+        self,
+        logits: Tensor,
+        states: list[LogitsState],
+        outputs: list[list[int]],
+        drafts: list[Draft],
+        show_probs: int = 0,
     ) -> list[PassOutcome]:
-        """Every request's tokens from a pass's logits: request b (`states[b]`) owns one
-        row after its last token and one after each of `drafts[b]`; a request
-        without drafts samples one token, the others verify theirs. Then the
-        logprobs and, with `show_probs` > 0, the candidates of the tokens chosen."""
+        """Every request's tokens from a pass's logits: request b (`states[b]`, its output
+        so far `outputs[b]`) owns one row after its last token and one after each of
+        `drafts[b]`, masked by `drafts[b].bitmask`; a request without drafts samples
+        one token, the others verify theirs. Then the logprobs and, with `show_probs`
+        > 0, the candidates of the tokens chosen."""
         counts = [len(d.tokens) + 1 for d in drafts]
         first = list(itertools.accumulate(counts, initial=0))
         owners = [state for state, count in zip(states, counts, strict=True) for _ in range(count)]
-        outputs = [
-            output
-            for state, draft in zip(states, drafts, strict=True)
-            for output in state.row_outputs(draft.tokens)
+        rows_output = [
+            row
+            for output, draft in zip(outputs, drafts, strict=True)
+            for row in row_outputs(output, draft.tokens)
         ]
-        tensors = self.tensors(owners, outputs, logits.device)
+        tensors = self.tensors(owners, rows_output, logits.device, self._bitmask(drafts))
         # The rows whose processed logits something reads: sampled rows with drafts
         # (verification), rows of processed logprobs, and every row for the candidates.
         greedy = (tensors["temperature"] == 0).tolist()

@@ -22,20 +22,9 @@ blocks are registered so that later requests can map them
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from .block_manager import BlockManager, NaiveBlockManager
 from .request import PassOutcome, Request, RequestStepOutput
-
-
-@dataclass(frozen=True)
-class PassCheckpoint:
-    """What a pass changes in a request before its tokens are kept (cache positions,
-    drafter positions, blocks), to undo a failed pass."""
-
-    num_cached: int
-    draft_cached: int
-    num_blocks: int
 
 
 class Scheduler:
@@ -99,12 +88,16 @@ class Scheduler:
         return True
 
     def _draft_slots(self, request: Request) -> int:
-        """How many drafts the request takes this pass: what it asks for
-        (`Request.next_draft_count`) if its blocks can grow to hold them, else none
+        """How many drafts the request takes this pass: none while its drafting is
+        paused (a step of the pause passes), else what it asks for
+        (`Request.drafts_wanted`) if its blocks can grow to hold them, else none
         (this pass is then plain decoding for it)."""
         if not self.num_draft:
             return 0
-        count = request.next_draft_count(self.num_draft, self.max_context)
+        if request.draft_pause > 0:
+            request.draft_pause -= 1
+            return 0
+        count = request.drafts_wanted(self.num_draft, self.max_context)
         if count > 0 and not self.blocks.grow(request, request.length + count):
             return 0
         return count
@@ -126,27 +119,20 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.free(request)
 
-    # -- a failed pass
-
-    @staticmethod
-    def checkpoint(request: Request) -> PassCheckpoint:
-        return PassCheckpoint(request.num_cached, request.draft_cached, len(request.blocks))
-
-    def restore(self, request: Request, checkpoint: PassCheckpoint) -> None:
-        """Undo a failed pass: the request's cache positions and blocks."""
-        request.num_cached = checkpoint.num_cached
-        request.draft_cached = checkpoint.draft_cached
-        self.blocks.truncate(request, checkpoint.num_blocks)
-
     # -- after a pass
 
     def postprocess(
         self, request: Request, outcome: PassOutcome, now: float
     ) -> list[RequestStepOutput]:
-        """Append a pass's tokens to the request, up to the first that finishes it, and
-        return their outputs; then give back the blocks of rejected drafts."""
+        """Apply a pass's outcome: the cache positions it wrote, then its tokens, up to
+        the first that finishes the request, whose outputs are returned; then give
+        back the blocks of rejected drafts."""
         if outcome.error is not None:
             return [self.fail(request, outcome.error)]
+        if outcome.num_cached is not None:
+            request.num_cached = outcome.num_cached
+        if outcome.draft_cached is not None:
+            request.draft_cached = outcome.draft_cached
         # Positions before the tokens this pass emits hold the keys and values of the
         # request's own tokens; any after them are drafts', which may be rejected.
         self.blocks.register_full_blocks(request, min(request.num_cached, request.length))

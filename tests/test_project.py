@@ -120,7 +120,7 @@ ENGINE_LAYERS = {
     "block_manager": {"block_allocator", "request"},
     "sampler": {"backend", "logits_state", "request"},
     "runner": {"backend", "cache", "request", "sampler"},
-    "drafters": {"backend", "cache", "request", "sampler"},
+    "drafters": {"backend", "cache", "logits_state", "request", "sampler"},
     "scheduler": {"block_manager", "request"},
 }
 

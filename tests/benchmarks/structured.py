@@ -41,12 +41,13 @@ the grammar's token mask costs per token. In order:
 6. speed, for the default backend: the decode phase is the steps after every
    request has its first token; decode tokens/s is its tokens over its wall time.
    The engine is timed from outside (nothing in `reference/` changes):
-   `LogitsState.fill_bitmask` (the matcher filling one row's mask, for every token
-   of a constrained request) and `Sampler.sample` are wrapped with timers; each
-   masked sampling call is paired with the same call on the same logits without
-   the mask (its time left out of the step's). Mask cost per token = fill time per
-   token + (masked - unmasked sampling time per token); its share of the
-   constrained run's decode time per token is checked against the 10% bar;
+   `LogitsState.grammar_rows` (the matcher's sweep filling a constrained request's
+   mask rows of a pass: one row per token here, without speculation) and
+   `Sampler.sample` are wrapped with timers; each masked sampling call is paired
+   with the same call on the same logits without the mask (its time left out of
+   the step's). Mask cost per token = fill time per token + (masked - unmasked
+   sampling time per token); its share of the constrained run's decode time per
+   token is checked against the 10% bar;
 7. the matchers side by side (`grammar_libraries.compare_matchers`): the
    constrained answers' token sequences replayed through both backends' own
    compile and matchers on one thread, timing the vocabulary tables, each schema's
@@ -153,13 +154,15 @@ class Timers:
     extra_ns: int = 0
 
     def __enter__(self) -> Timers:
-        self._fill = original_fill = LogitsState.fill_bitmask
+        self._fill = original_fill = LogitsState.grammar_rows
         original_sample = self.engine.sampler.sample
 
-        def fill_bitmask(state, bitmask, output):
+        def grammar_rows(state, draft_tokens, words):
             start = time.perf_counter_ns()
-            original_fill(state, bitmask, output)
-            self.fill_ns.append(time.perf_counter_ns() - start)
+            result = original_fill(state, draft_tokens, words)
+            if state.matcher is not None:
+                self.fill_ns.append(time.perf_counter_ns() - start)
+            return result
 
         def timed(logits, tensors):
             start = time.perf_counter_ns()
@@ -182,12 +185,12 @@ class Timers:
             self.paired_rows += len(logits)
             return result
 
-        LogitsState.fill_bitmask = fill_bitmask
+        LogitsState.grammar_rows = grammar_rows
         self.engine.sampler.sample = sample
         return self
 
     def __exit__(self, *exc: object) -> None:
-        LogitsState.fill_bitmask = self._fill
+        LogitsState.grammar_rows = self._fill
         del self.engine.sampler.sample
 
 

@@ -281,11 +281,11 @@ def test_parameters_that_make_logits_invalid_are_named(weights):
     forward = engine.runner.forward
 
     def only_eos(batch, drafts):
-        logits = forward(batch, drafts)
+        logits, cached = forward(batch, drafts)
         if any(r.params.min_tokens for r in batch):
             logits[:] = -float("inf")
             logits[:, 256] = 0.0
-        return logits
+        return logits, cached
 
     engine.runner.forward = only_eos
     request_id = engine.add_request([1, 2], SamplingParams(temperature=0.0, min_tokens=1))
@@ -298,7 +298,12 @@ def test_parameters_that_make_logits_invalid_are_named(weights):
 def test_nan_logits_fail_the_request_and_name_the_model(weights):
     engine = Engine(weights, ByteTokenizer())
     forward = engine.runner.forward
-    engine.runner.forward = lambda batch, drafts: forward(batch, drafts) * float("nan")
+
+    def nan(batch, drafts):
+        logits, cached = forward(batch, drafts)
+        return logits * float("nan"), cached
+
+    engine.runner.forward = nan
     request_id = engine.add_request([1, 2], SamplingParams(temperature=0.0))
     drain(engine)
     assert "the model produced NaN" in engine.output(request_id).error

@@ -239,6 +239,27 @@ def test_speculative_constrained_requests_are_the_spec_loop(workload, seed, spec
     check(engine, weights, workload, *run(engine, workload))
 
 
+def grammar_allows(matcher, tokens: list[int]) -> bool:
+    """Whether the matcher takes every one of `tokens`; it is left where it was."""
+    accepted = 0
+    for token in tokens:
+        if not matcher.accept_token(token):
+            break
+        accepted += 1
+    matcher.rollback(accepted)
+    return accepted == len(tokens)
+
+
+def mask_after(matcher, tokens: list[int]) -> torch.Tensor:
+    """The matcher's mask after `tokens` (which it must take); it is left where it was."""
+    for token in tokens:
+        assert matcher.accept_token(token), tokens
+    row = torch.zeros((VOCAB + 31) // 32, dtype=torch.int32)
+    matcher.fill_bitmask(row)
+    matcher.rollback(len(tokens))
+    return row
+
+
 @pytest.mark.clause("MASK-ADVANCE-1")
 def test_drafts_that_leave_the_grammar_are_cut_before_verification():
     """The n-gram drafter proposes the prompt's continuation ("zzzz…"), which the
@@ -251,8 +272,7 @@ def test_drafts_that_leave_the_grammar_are_cut_before_verification():
 
     def spy(batch, drafts, show_probs):
         for request, draft in zip(batch, drafts, strict=True):
-            state = request.logits_state
-            assert state.grammar_prefix(draft.tokens) == len(draft.tokens), draft.tokens
+            assert grammar_allows(request.logits_state.matcher, draft.tokens), draft.tokens
             seen.append(len(draft.tokens))
         return run_pass(batch, drafts, show_probs)
 
@@ -388,10 +408,8 @@ def test_a_model_drafter_draws_its_drafts_from_masked_distributions(drafter):
 
     def spy(batch, drafts, show_probs):
         for request, draft in zip(batch, drafts, strict=True):
-            state = request.logits_state
             for j in range(len(draft.tokens)):
-                row = torch.zeros((VOCAB + 31) // 32, dtype=torch.int32)
-                state.fill_bitmask(row, state.output_ids + draft.tokens[:j])
+                row = mask_after(request.logits_state.matcher, draft.tokens[:j])
                 forbidden = ~allowed_token_mask(row[None], VOCAB)[0]
                 assert float(draft.probs[j][forbidden].sum()) == 0.0, (j, draft.tokens)
                 checked.append(j)

@@ -79,8 +79,8 @@ def engine_rows(requests: list, logits: torch.Tensor, eos: tuple[int, ...]) -> t
     """The engine's path: the sampler's tensors from each request's `LogitsState`,
     then its `process` (invalid rows come back as reasons)."""
     sampler = Sampler(SPEC_BACKEND, logits.shape[1], eos)
-    states = [LogitsState(p, list(prompt), list(out)) for p, prompt, out in requests]
-    tensors = sampler.tensors(states, [list(s.output_ids) for s in states], logits.device)
+    states = [LogitsState(p, list(prompt)) for p, prompt, _ in requests]
+    tensors = sampler.tensors(states, [list(out) for _, _, out in requests], logits.device)
     return sampler.process(logits, tensors)
 
 

@@ -1,0 +1,117 @@
+"""The scheduler's own contract, on requests and a block manager alone (no model):
+admission first come first served, growth before admission, preemption of the
+most recently admitted, draft slots, and postprocess applying a pass's outcome
+(the scheduler is the one writer of a request's cache positions after a pass).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from decodespec.reference.block_manager import BlockManager
+from decodespec.reference.logits_state import LogitsState
+from decodespec.reference.request import PassOutcome, Request
+from decodespec.reference.scheduler import Scheduler
+from decodespec.spec.params import SamplingParams
+from decodespec.spec.stop import StopChecker
+
+MAX_CONTEXT = 64
+EOS = 0
+
+
+def request(id: int, prompt_len: int, max_tokens: int = 8, num_draft: int | None = None):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, seed=1)
+    prompt = list(range(1, prompt_len + 1))
+    return Request(
+        id=id,
+        prompt_ids=prompt,
+        output=StopChecker(
+            params,
+            eos_token_ids=[EOS],
+            token_bytes=lambda t: bytes([97 + t % 26]),
+            prompt_len=prompt_len,
+            max_context=MAX_CONTEXT,
+        ),
+        logits_state=LogitsState(params, prompt),
+        arrival=0.0,
+        num_draft=num_draft,
+    )
+
+
+def scheduler(num_blocks: int, block_size: int = 4, num_draft: int = 0) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), MAX_CONTEXT, num_draft)
+
+
+def step(s: Scheduler, tokens: int = 7) -> list[Request]:
+    """One pass in which every scheduled request caches its sequence and emits `tokens`."""
+    batch = s.schedule()
+    for r in batch:
+        s.postprocess(r, PassOutcome(tokens=[tokens], logprobs=[None], candidates=[None],
+                                     num_cached=r.length), now=0.0)  # fmt: skip
+    return batch
+
+
+def test_requests_are_admitted_first_come_first_served_while_blocks_last():
+    s = scheduler(num_blocks=4)  # 16 positions
+    a, b, c = request(0, 6), request(1, 6), request(2, 6)
+    for r in (a, b, c):
+        s.add(r)
+    assert s.schedule() == [a, b]  # 2 blocks each; c waits
+    assert list(s.waiting) == [c]
+
+
+def test_the_most_recently_admitted_request_is_preempted_and_waits_first_in_line():
+    s = scheduler(num_blocks=4)
+    a, b = request(0, 8), request(1, 8)
+    s.add(a)
+    s.add(b)
+    assert step(s) == [a, b]  # 8 prompt positions each: 2 blocks each, the pool full
+    batch = s.schedule()  # a's 9th position needs a third block: b goes back
+    assert batch == [a]
+    assert (b.preemptions, b.num_cached, b.blocks) == (1, 0, [])
+    assert list(s.waiting) == [b]
+
+
+def test_postprocess_applies_the_outcome_and_rolls_back_to_the_emitted_sequence():
+    s = scheduler(num_blocks=8)
+    r = request(0, 5)
+    s.add(r)
+    assert s.schedule() == [r]
+    assert r.num_cached == 0
+    # A verification pass wrote 5 prompt positions and 2 drafts; one draft was kept.
+    s.postprocess(r, PassOutcome(tokens=[9, 10], logprobs=[None] * 2, candidates=[None] * 2,
+                                 drafted=2, num_cached=7), now=0.0)  # fmt: skip
+    assert r.output_ids == [9, 10]
+    assert r.num_cached == r.length - 1 == 6  # the last token runs next pass
+    assert (r.drafted, r.accepted) == (2, 1)
+
+
+def test_a_failed_outcome_fails_the_request_and_changes_nothing_else():
+    s = scheduler(num_blocks=8)
+    r = request(0, 5)
+    s.add(r)
+    s.schedule()
+    (out,) = s.postprocess(r, PassOutcome(error="RuntimeError: boom", num_cached=5), now=0.0)
+    assert (out.finish_reason, out.error) == ("error", "RuntimeError: boom")
+    assert (r.num_cached, r.output_ids, r.blocks) == (0, [], [])
+    assert not s.has_unfinished()
+
+
+@pytest.mark.parametrize(("max_tokens", "want"), [(8, 3), (3, 2), (1, 0)])
+def test_draft_slots_are_what_max_tokens_leaves_room_for(max_tokens, want):
+    s = scheduler(num_blocks=8, num_draft=3)
+    r = request(0, 5, max_tokens=max_tokens)
+    s.add(r)
+    s.schedule()
+    assert r.draft_slots == want
+
+
+def test_a_paused_request_takes_no_drafts_and_its_pause_passes():
+    s = scheduler(num_blocks=8, num_draft=3)
+    r = request(0, 5)
+    r.draft_pause = 2
+    s.add(r)
+    s.schedule()
+    assert (r.draft_slots, r.draft_pause) == (0, 1)
+    assert r.drafts_wanted(3, MAX_CONTEXT) == 3  # asking does not change the request
+    assert r.draft_pause == 1
