@@ -54,6 +54,10 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
+# Seeds the engine draws are below this (every JSON client reads them exactly).
+DRAWN_SEEDS = 2**53
+
+
 class Engine:
     """Continuous-batching generation over a paged KV cache.
 
@@ -230,9 +234,11 @@ class Engine:
                     "ends the output with the end-of-sequence token",
                 )
             matcher = self.grammars.matcher(structured_output)
-        params = sampling_params.resolve_seed(
-            params, self.generator
-        )  # the one place seeds are drawn
+        if params.seed is None:  # the one place seeds are drawn (SAMPLE-SEED-1)
+            drawn = sampling_params.resolve_seed(params, self.generator).seed
+            # Below 2**53: the seed is reported back, and a JSON client that reads
+            # numbers as doubles (JavaScript) must get exactly the seed used.
+            params = replace(params, seed=drawn % DRAWN_SEEDS)
         request = Request(
             id=self._next_id,
             prompt_ids=prompt_ids,

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
-import secrets
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -158,11 +156,6 @@ class OpenAIServer:
                 max_context=self.engine.config.max_context,
                 max_draft=self.engine.num_draft if self.engine.drafter is not None else 0,
             )
-            if api.params.seed is None:
-                # The seed is reported back; JavaScript reads JSON numbers as doubles, so
-                # draw it below 2**53, where every client gets exactly the seed used.
-                params = dataclasses.replace(api.params, seed=secrets.randbits(53))
-                api = dataclasses.replace(api, params=params)
             stream = await self._submit(api, arrival)
         except APIError as error:
             log.info("%s %d %s (param %s)", route, error.status, error.message, error.param)

@@ -376,3 +376,24 @@ def test_metrics_are_reported(model):
     out = engine.output(rid)
     assert out.ttft_s > 0 and out.prompt_tokens_per_s > 0 and out.tokens_per_s > 0
     assert len(out.inter_token_latencies_s) == 5
+
+
+@pytest.mark.clause("SAMPLE-SEED-1")
+def test_seeds_are_drawn_by_the_engine_below_2_to_the_53(model):
+    """An unseeded request gets a seed from the engine's generator (the one place seeds
+    are drawn; the server draws none of its own), below 2**53 so that a JSON client
+    reads the reported seed exactly, and replaying it gives the same tokens."""
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    seeds = []
+    for _ in range(2):
+        engine = Engine(model, ByteTokenizer(), seed=11)
+        ids = [engine.add_request(PROMPTS[0], params) for _ in range(8)]
+        seeds.append([engine.output(i).seed for i in ids])
+    assert seeds[0] == seeds[1] and len(set(seeds[0])) == 8
+    assert all(0 <= seed < 2**53 for seed in seeds[0])
+    engine = Engine(model, ByteTokenizer(), seed=11)
+    first = engine.add_request(PROMPTS[0], params)
+    replay = engine.add_request(PROMPTS[0], dataclasses.replace(params, seed=seeds[0][0]))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(first).token_ids == engine.output(replay).token_ids
