@@ -143,6 +143,12 @@ KNOWN_DIFFERENCES: dict[str, list[tuple[str, str]]] = {
             "(MASK-VALID-1).",
         ),
         (
+            "xgrammar",
+            "its CPU kernel reads a row's bitmask words as adjacent: a column-major bitmask "
+            "(a transposed view) masks the wrong tokens, while row strides (a slice of a "
+            "wider buffer, one row broadcast to every row) are read right (MASK-LAYOUT-1).",
+        ),
+        (
             "llguidance",
             "its `apply_token_bitmask_inplace` (numpy and torch) takes no indices: it masks "
             "every row of the logits it is given (MASK-ROWS-1).",
