@@ -2,7 +2,7 @@
 whole life in the engine.
 
 The sampling stage is a pure function of a batch's logits and per-row tensors
-(`decodespec.spec.sampling.sampling_tensors`); what those tensors are built
+(`decodespec.spec.params.sampling_tensors`); what those tensors are built
 from is the request's parameters (seed resolved), its prompt, its output so
 far (the request's stop stage holds it: the penalties' counts, min_tokens'
 clock) and, for structured outputs, the grammar's matcher. `LogitsState`

@@ -296,7 +296,7 @@ class NativeStep:
             addresses.append((k.data_ptr(), v.data_ptr()))
         q = torch.empty(tokens, c.num_heads, c.head_dim)
         kv = torch.empty(tokens, c.num_kv_heads, c.head_dim)
-        append._check_append_args(kv, kv, k_cache, v_cache, batch.slot_mapping)  # the spec's own
+        append.check_append_args(kv, kv, k_cache, v_cache, batch.slot_mapping)  # the spec's own
         check_attention_args(
             q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.query_start, None
         )

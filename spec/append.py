@@ -49,10 +49,41 @@ from .attention import check_cache_pair, check_index_tensor
 from .softmax import check_tensor
 
 
-def _check_append_args(
+def check_append_args(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """APPEND-VALID-1."""
+    """Check `append_kv`'s arguments (APPEND-VALID-1) without writing anything.
+
+    `append_kv` calls it unless `validate=False`; an engine that appends many
+    layers with one slot mapping, or writes the cache its own way, calls it
+    once per step to get the spec's checks and messages.
+
+    Checks, in this order: every argument is a `torch.Tensor`; the caches
+    have equal 4-D shapes `[num_blocks, block_size, num_kv_heads, head_dim]`,
+    one floating-point dtype, one device and are contiguous (ATTN-VALID-1);
+    `key` and `value` are `[num_tokens, num_kv_heads, head_dim]` with the
+    caches' heads and head_dim, a floating-point dtype and on the caches'
+    device, `value` of `key`'s shape; `slot_mapping` is `[num_tokens]` int32
+    or int64 on the caches' device, every slot is −1 or in
+    `[0, num_blocks · block_size)`, and no slot other than −1 is named twice.
+
+    Args:
+        key: the new tokens' keys, as for `append_kv`.
+        value: the new tokens' values, as for `append_kv`.
+        k_cache: the key cache, as for `append_kv`; only read.
+        v_cache: the value cache, as for `append_kv`; only read.
+        slot_mapping: each token's flat slot, −1 to skip it.
+
+    Returns:
+        None: the arguments are valid.
+
+    Raises:
+        ValueError: an argument has the wrong shape, dtype, device or value,
+            or a slot is out of range or named twice; the message names the
+            argument.
+        TypeError: an argument is not a tensor (the spec's
+            `ArgumentTypeError`, also a `ValueError`); the message names it.
+    """
     for name, t in (
         ("key", key),
         ("value", value),
@@ -140,7 +171,7 @@ def append_kv(
         (tensor([3., nan, nan, 1.]), tensor([-3., nan, nan, -1.]))
     """
     if validate:
-        _check_append_args(key, value, k_cache, v_cache, slot_mapping)
+        check_append_args(key, value, k_cache, v_cache, slot_mapping)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     kept = slot_mapping >= 0  # APPEND-SKIP-1
     slots = slot_mapping[kept].to(torch.int64)

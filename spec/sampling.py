@@ -114,19 +114,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-# SamplingParams and the functions marked F401 were defined in this module until
-# the parameters got their own (spec/params.py, spec/checks.py): the old import
-# paths keep working.
-from .checks import check_integer, check_range, check_token_ids  # noqa: F401
+from .checks import check_integer, check_range
 from .logits import apply_logit_processors
-from .params import (
-    MAX_TOP_LOGPROBS,
-    RANGES,
-    SamplingParams,  # noqa: F401
-    resolve_seed,  # noqa: F401
-    sampling_tensors,  # noqa: F401
-    validate_request,  # noqa: F401
-)
+from .params import MAX_TOP_LOGPROBS, RANGES
 from .rng import uniform
 from .softmax import (
     apply_temperature,
@@ -430,7 +420,7 @@ def sample(
     validity (SAMPLE-VALID-1, SAMPLE-VALID-2), greedy (SAMPLE-GREEDY-1) or
     temperature, top-k, top-p and min-p (SAMPLE-ORDER-1), and the Gumbel-max
     choice with Philox noise (SAMPLE-CHOICE-1, SAMPLE-RNG-2). Optional tensors left as None disable
-    their stage; `sampling_tensors` builds all of them from `SamplingParams`.
+    their stage; `sampling_tensors` (spec/params.py) builds all of them from `SamplingParams`.
 
     Args:
         logits: `[batch, vocab]` float16, bfloat16, float32 or float64.

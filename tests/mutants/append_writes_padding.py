@@ -5,12 +5,12 @@ an assertion (the clean-failures family) instead of passing unseen."""
 
 import torch
 
-from decodespec.spec.append import _check_append_args
+from decodespec.spec.append import check_append_args
 
 
 def append_kv(key, value, k_cache, v_cache, slot_mapping, *, validate=True) -> None:
     if validate:
-        _check_append_args(key, value, k_cache, v_cache, slot_mapping)
+        check_append_args(key, value, k_cache, v_cache, slot_mapping)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for cache, rows in ((k_cache, key), (v_cache, value)):
         flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)

@@ -250,13 +250,6 @@ def test_every_parameter_is_declared_once_with_its_range_and_interfaces():
     assert {p.api for p in PARAMETERS.values()} >= {"temperature", "top_k", "logprobs_mode"}
 
 
-def test_sampling_params_can_still_be_imported_from_the_sampling_module():
-    from decodespec.spec import sampling
-
-    assert sampling.SamplingParams is SamplingParams
-    assert sampling.sampling_tensors is sampling_tensors
-
-
 def test_sampling_tensors_need_resolved_seeds():
     with pytest.raises(ValueError, match="seed"):
         sampling_tensors(
