@@ -17,7 +17,8 @@ gathered keys and values are zeroed there before any arithmetic and the
 scores masked to −inf, exactly as a position a causal row does not see.
 
 The conformance suite proves it computes the spec:
-`pytest tests/conformance/test_attention.py --impl decodespec.reference.batched_attention`
+`pytest tests/conformance/test_attention.py tests/conformance/test_append_kv.py
+--impl decodespec.reference.batched_attention`
 (run by `tests/engine/test_batched_attention.py`).
 """
 
@@ -207,7 +208,7 @@ def append_kv(
     `slot_mapping` object (the later layers), as the attention's plans are.
     """
     if validate:
-        append._check_append_args(key, value, k_cache, v_cache, slot_mapping)  # the spec's own
+        append.check_append_args(key, value, k_cache, v_cache, slot_mapping)  # the spec's own
     found = None if validate else _SLOTS.get((slot_mapping,))
     if found is None:
         kept = slot_mapping >= 0  # APPEND-SKIP-1

@@ -34,7 +34,7 @@ QUICK_CONFORMANCE = (
     "tests/conformance/test_sampling.py::test_top_p_matches_definition",
     "tests/conformance/test_sampling.py::test_sample_matches_reference",
     "tests/conformance/test_attention.py::test_paged_attention_matches_spec",
-    "tests/conformance/test_attention.py::test_append_writes_exactly_the_named_slots",
+    "tests/conformance/test_append_kv.py::test_append_writes_exactly_the_named_slots",
 )
 PYTEST = ("-m", "pytest", "-p", "no:cacheprovider")
 # What a copy of the tree needs to build a wheel: everything but local state.

@@ -57,9 +57,9 @@ CAUGHT_BY.update(BOUNDARY_MUTANTS)
 # Mutants whose every failure must be an assertion (the clean-failures family): a
 # stray write or a missing token is reported, not met with a crash deep in a test.
 CLEAN_FAILURE_MUTANTS = {
-    "append_writes_padding": "test_attention.py",
+    "append_writes_padding": "test_append_kv.py",
     # a store outside the cache: caught by the guard blocks around each cache
-    "append_kernel_writes_padding": "test_attention.py::test_append_writes_exactly_the_named_slots",
+    "append_kernel_writes_padding": "test_append_kv.py::test_append_writes_exactly_the_named_slots",
     "verify_drops_the_bonus": "test_speculative.py",
 }
 

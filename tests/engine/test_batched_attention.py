@@ -23,13 +23,13 @@ from decodespec.spec.params import SamplingParams
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 from tests.test_harness import run_suite
 
-ATTENTION_TESTS = "tests/conformance/test_attention.py"
+ATTENTION_TESTS = ("tests/conformance/test_attention.py", "tests/conformance/test_append_kv.py")
 
 
 def test_the_conformance_suite_passes_it():
     """Every attention and append conformance test runs against it and passes, none
     skipped (it provides both operations)."""
-    run = run_suite(ATTENTION_TESTS, "--impl=decodespec.reference.batched_attention")
+    run = run_suite(*ATTENTION_TESTS, "--impl=decodespec.reference.batched_attention")
     assert run.returncode == 0, run.stdout[-3000:]
     skips = re.findall(r"SKIPPED \[\d+\] .*", run.stdout)
     assert not skips, skips
