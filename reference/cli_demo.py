@@ -13,11 +13,15 @@ from decodespec.spec.softmax import softmax
 
 from .cli_options import add_sampling_flags, sampling_params
 
+# The sampling parameters the demo takes (their flags are `SamplingParams`' own,
+# `add_sampling_flags`) and shows in its first line.
+SHOWN = ("temperature", "top_k", "top_p", "min_p", "seed")
+
 
 def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparsers type)
     """The `demo` subcommand of `decodespec`."""
     show = commands.add_parser("demo", help="the sampling stage on example logits")
-    add_sampling_flags(show, ["temperature", "top_k", "top_p", "min_p", "seed"], top_p=0.9, seed=0)
+    add_sampling_flags(show, SHOWN, top_p=0.9, seed=0)
     show.add_argument("--draws", type=int, default=12)
     show.set_defaults(run=run)
 
@@ -43,8 +47,7 @@ def demo(params: SamplingParams, draws: int) -> str:
     raw = softmax(logits)[0]
     filtered = softmax(process_logits(logits, **tensors.process_logits_args))[0]
     lines = [
-        f"temperature={params.temperature} top_k={params.top_k} top_p={params.top_p} "
-        f"min_p={params.min_p} seed={params.seed}",
+        " ".join(f"{name}={getattr(params, name)}" for name in SHOWN),
         "",
         f"{'token':<12} {'raw p':>8} {'filtered p':>11}",
     ]

@@ -65,7 +65,11 @@ def add_sampling_flags(
     parser: argparse.ArgumentParser, names: Sequence[str] | None = None, **defaults: object
 ) -> None:
     """An option for each parameter that `SamplingParams` declares a flag for (those
-    of `names`, if given), with the field's default unless `defaults` gives another."""
+    of `names`, if given), with the field's default unless `defaults` gives another.
+    A name in `names` or `defaults` that is not a parameter with a flag is a ValueError."""
+    for name in [*(names or ()), *defaults]:
+        if name not in PARAMETERS or PARAMETERS[name].flag is None:
+            raise ValueError(f"{name!r} is not a sampling parameter with a command-line flag")
     for name, declared in PARAMETERS.items():
         if declared.flag is None or (names is not None and name not in names):
             continue

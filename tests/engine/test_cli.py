@@ -10,6 +10,7 @@ compared token for token with transformers reading the same GGUF file.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import dataclasses
@@ -34,7 +35,7 @@ from decodespec.reference.engine import Engine
 from decodespec.reference.loader import load_model
 from decodespec.reference.model_files import bundled_model_path
 from decodespec.reference.weight_formats import convert_weights
-from decodespec.spec.params import SamplingParams
+from decodespec.spec.params import PARAMETERS, SamplingParams
 from tests.engine.checkpoints import hf_model_from_gguf
 
 QUESTION = "What is the capital of France?"
@@ -939,6 +940,25 @@ def test_demo_shows_the_filters_and_seeded_draws():
     table, draws = parse_demo(top2.out)
     assert [r[0] for r in table if r[3]] == [" Paris", " a"]
     assert len(draws) == 5 and set(draws) <= {"Paris", "a"}
+
+
+def test_the_demo_takes_and_shows_the_declared_parameters():
+    """The demo's parameters are `SamplingParams`' own: their declared flags, each
+    shown by its field name in the first line; a name that declares no flag is refused."""
+    demo = next(
+        action.choices["demo"]
+        for action in cli.build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    flags = {o for action in demo._actions for o in action.option_strings}
+    assert {PARAMETERS[name].flag for name in cli_demo.SHOWN} <= flags
+    shown = run_cli(None, "demo", "--draws", "1").out.splitlines()[0]
+    assert [pair.split("=")[0] for pair in shown.split()] == list(cli_demo.SHOWN)
+    for name in ("min-p", "top_logprobs_x", "logit_bias"):  # not a field; no flag
+        with pytest.raises(ValueError, match=name):
+            cli_options.add_sampling_flags(argparse.ArgumentParser(), [name])
+    with pytest.raises(ValueError, match="topp"):
+        cli_options.add_sampling_flags(argparse.ArgumentParser(), topp=0.9)
 
 
 # ---------------------------------------------------------------- structured outputs

@@ -11,7 +11,9 @@ server serves, generates a greedy answer and checks that:
 - hovering a token shows its candidates, the chosen one marked, with its rank;
 - TTFT and tokens/s show numbers, and the page renders (a screenshot with
   many colours);
-- a bad parameter (top_p = 5) shows the server's error, naming top_p;
+- the body carries the sampling parameters the form sets, min_p among them;
+- a bad parameter (top_p = 5, min_p = 2) shows the server's error, naming it, and
+  marks its input;
 - constrained to "any JSON object" the answer is the server's JSON object, and
   a token's candidates mark, in words, exactly the alternatives the server
   reports the grammar removed (`allowed: false`);
@@ -219,8 +221,14 @@ def test_viewer_streams_the_real_tokens(viewer: Viewer, live_server: LiveServer,
     assert page.inner_text("#model") == MODEL
     page.evaluate(COUNT_TOKENS_JS)
 
-    status = generate(page, PROMPT, temperature=0, top_k=0, top_p=1, max_tokens=MAX_TOKENS)
+    status = generate(
+        page, PROMPT, temperature=0, top_k=0, top_p=1, min_p=0.05, max_tokens=MAX_TOKENS
+    )
     assert status == "done"
+    sent = viewer.chats[-1]
+    assert {k: sent[k] for k in ("temperature", "top_k", "top_p", "min_p", "max_tokens")} == {
+        "temperature": 0, "top_k": 0, "top_p": 1, "min_p": 0.05, "max_tokens": MAX_TOKENS,
+    }  # fmt: skip
 
     # The answer streamed in: the page showed many different token counts before done.
     counts = page.evaluate("window.__tokenCounts")
@@ -405,13 +413,21 @@ def test_viewer_refuses_a_bad_schema(viewer: Viewer, live_server: LiveServer):
     assert others == [], "\n".join(others)
 
 
-def test_viewer_shows_the_servers_error(viewer: Viewer, live_server: LiveServer):
+@pytest.mark.parametrize(
+    ("param", "value", "input_id"), [("top_p", 5, "top-p"), ("min_p", 2, "min-p")]
+)
+def test_viewer_shows_the_servers_error(
+    viewer: Viewer, live_server: LiveServer, param: str, value: float, input_id: str
+):
     page = viewer.page
     open_viewer(page, live_server.url)
-    status = generate(page, PROMPT, temperature=0, top_p=5, max_tokens=MAX_TOKENS)
-    assert "top_p" in status
+    status = generate(page, PROMPT, temperature=0, max_tokens=MAX_TOKENS, **{param: value})
+    assert viewer.chats[-1][param] == value
+    assert param in status
     assert "error" in (page.get_attribute("#status", "class") or "")
-    assert "invalid" in (page.get_attribute("#top-p", "class") or "")
+    assert "invalid" in (page.get_attribute(f"#{input_id}", "class") or "")
+    others = [f"#{i}" for i in ("temperature", "top-k", "top-p", "min-p") if i != input_id]
+    assert all("invalid" not in (page.get_attribute(i, "class") or "") for i in others)
     assert page.locator("#output .token").count() == 0
     assert viewer.foreign == [], f"requests to other hosts: {viewer.foreign}"
     # The 400 itself is the one console error a failed fetch logs; nothing else.

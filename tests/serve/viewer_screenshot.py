@@ -68,6 +68,7 @@ def fill(
     temperature: float | str = 0.8,
     top_k: int | str = 0,
     top_p: float | str = 1.0,
+    min_p: float | str = 0,
     max_tokens: int | str = 32,
     seed: int | str | None = None,
     mode: str = "processed",
@@ -86,6 +87,7 @@ def fill(
     page.fill("#temperature", str(temperature))
     page.fill("#top-k", str(top_k))
     page.fill("#top-p", str(top_p))
+    page.fill("#min-p", str(min_p))
     page.fill("#max-tokens", str(max_tokens))
     page.fill("#seed", "" if seed is None else str(seed))
     page.select_option("#mode", mode)
@@ -130,6 +132,7 @@ def capture(
     temperature: float = 0.8,
     top_k: int = 0,
     top_p: float = 0.95,
+    min_p: float = 0,
     max_tokens: int = 40,
     seed: int | None = SEED,
     mode: str = "processed",
@@ -157,6 +160,7 @@ def capture(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             max_tokens=max_tokens,
             seed=seed,
             mode=mode,
