@@ -26,6 +26,7 @@ from .cli_options import (
 from .engine import Engine
 from .grammar import StructuredOutput
 from .request import RequestOutput
+from .request_options import RequestOptions
 from .tokenizer import Tokenizer
 from .weight_formats import describe
 
@@ -229,7 +230,7 @@ def answer(
 ) -> RequestOutput:
     """Stream one prompt's answer (or print its JSON line) and its statistics line."""
     request_id = None
-    for event in engine.generate(ids, params, constraint):
+    for event in engine.generate(ids, params, RequestOptions(structured_output=constraint)):
         request_id = event.request_id
         if args.json:
             continue

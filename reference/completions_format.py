@@ -154,7 +154,7 @@ class Responder:
         `token_logprobs`, `top_logprobs`, `text_offset`."""
         if self.request.kind == "chat":
             content = []
-            constrained = self.request.structured_output is not None
+            constrained = self.request.options.structured_output is not None
             for step in steps:
                 entry = self._token(step.token_id, step.logprob)
                 entry["top_logprobs"] = [self._token(t, lp) for t, lp in step.top]

@@ -38,9 +38,10 @@ from .block_manager import BlockManager, NaiveBlockManager
 from .cache import PagedKVCache
 from .drafters import Drafter, make_drafter
 from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
-from .grammar import GrammarError, Grammars, StructuredOutput
+from .grammar import GrammarError, Grammars
 from .logits_state import LogitsState
 from .request import Draft, PassOutcome, Request, RequestOutput, RequestStepOutput
+from .request_options import RequestOptions
 from .runner import ModelRunner, NaiveModelRunner, PagedModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -170,22 +171,20 @@ class Engine:
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        arrival: float | None = None,
-        num_draft: int | None = None,
-        structured_output: StructuredOutput | None = None,
-        prompt_logprobs: int | None = None,
+        options: RequestOptions | None = None,
     ) -> int:
         """Queue a request; it joins the batch at the next step with room for it.
 
-        `arrival` (a `time.perf_counter()` reading, default now) is where its
-        time to first token starts: a server passes the moment the request came in.
-        `num_draft` caps this request's drafts per step below the engine's K
-        (0: no speculation for it); only an engine with a drafter takes one > 0.
-        `structured_output` constrains every token to a grammar (MASK-ADVANCE-1):
-        it is compiled here, before the request is queued.
+        `options` (`request_options.py`, each field declared there once; None:
+        none):
+        `arrival` is where its time to first token starts (default now);
+        `num_draft` caps its drafts per step below the engine's K (0: no
+        speculation for it; only an engine with a drafter takes one > 0);
+        `structured_output` constrains every token to a grammar (MASK-ADVANCE-1),
+        compiled here, before the request is queued.
 
-        `prompt_logprobs` k in [0, 20] scores the prompt (vLLM's prompt_logprobs):
-        the output's `prompt_logprobs` holds None for position 0, then for each
+        `prompt_logprobs` k scores the prompt (vLLM's prompt_logprobs): the
+        output's `prompt_logprobs` holds None for position 0, then for each
         prompt token t >= 1 a `TokenLogprobs` (its logprob given tokens < t, its
         rank, the top-k) of the raw logits, `compute_logprobs(forward_naive(weights,
         prompt)[t - 1:t], [prompt[t]], k)` (LOGPROB-RAW-1: no processor, no
@@ -196,7 +195,8 @@ class Engine:
 
         Raises:
             TypeError, ValueError: invalid parameters or prompt for this model
-                (PARAM-REQUEST-1), or a request the whole cache could never hold.
+                (PARAM-REQUEST-1), a `num_draft` above the engine's K, or a
+                request the whole cache could never hold.
             GrammarError: a structured output that does not compile, or one
                 with `ignore_eos` (its stop token is how a grammar ends).
         """
@@ -209,22 +209,14 @@ class Engine:
             vocab_size=self.config.vocab_size,
             max_context=self.config.max_context,
         )
-        if num_draft is not None:
-            _check_int("num_draft", num_draft, 0)
-            if num_draft > 0 and self.drafter is None:
-                raise ValueError(
-                    "num_draft: this engine has no drafter (it was built without speculate)"
-                )
-            if num_draft > self.num_draft:
-                raise ValueError(f"num_draft must be in [0, {self.num_draft}], got {num_draft}")
-        if prompt_logprobs is not None and (
-            not isinstance(prompt_logprobs, int)
-            or isinstance(prompt_logprobs, bool)
-            or not 0 <= prompt_logprobs <= sampling_params.MAX_TOP_LOGPROBS
-        ):
-            raise ValueError(
-                f"prompt_logprobs must be an integer in [0, 20], got {prompt_logprobs!r}"
-            )
+        if options is None:
+            options = RequestOptions()
+        elif not isinstance(options, RequestOptions):
+            raise TypeError(f"options must be a RequestOptions, got {type(options).__name__}")
+        options.check_num_draft(self.num_draft if self.drafter is not None else 0)
+        if options.arrival is None:
+            options = replace(options, arrival=time.perf_counter())
+        structured_output = options.structured_output
         matcher = None
         if structured_output is not None:
             if params.ignore_eos:
@@ -250,10 +242,8 @@ class Engine:
                 max_context=self.config.max_context,
             ),
             logits_state=LogitsState(params, prompt_ids, matcher=matcher),
-            arrival=time.perf_counter() if arrival is None else arrival,
-            num_draft=num_draft,
-            prompt_top=prompt_logprobs,
-            prompt_logprobs=[] if prompt_logprobs is None else [None],
+            options=options,
+            prompt_logprobs=[] if options.prompt_logprobs is None else [None],
         )
         self.scheduler.add(request)
         self.requests[request.id] = request
@@ -290,12 +280,12 @@ class Engine:
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        structured_output: StructuredOutput | None = None,
+        options: RequestOptions | None = None,
     ) -> Iterator[RequestStepOutput]:
         """Stream one request's step outputs; other requests advance alongside, and
         several streams may be read in turns (each gets all of its outputs). Closing
         the generator early aborts the request."""
-        request_id = self.add_request(prompt_ids, params, structured_output=structured_output)
+        request_id = self.add_request(prompt_ids, params, options)
         pending = self._streams[request_id] = deque()
         try:
             while pending or self.requests[request_id].finish_reason is None:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from decodespec.spec.params import SamplingParams
 
 from .engine import Engine
-from .grammar import StructuredOutput
 from .request import RequestOutput, RequestStepOutput
+from .request_options import RequestOptions
 
 log = logging.getLogger("decodespec.serve")
 
@@ -62,10 +62,7 @@ class Stream:
 class _Add:
     prompt_ids: list[int]
     params: SamplingParams
-    arrival: float
-    num_draft: int | None
-    structured_output: StructuredOutput | None
-    prompt_logprobs: int | None
+    options: RequestOptions | None
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future[Stream]
 
@@ -98,13 +95,10 @@ class EngineLoop:
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
-        arrival: float | None = None,
-        num_draft: int | None = None,
-        structured_output: StructuredOutput | None = None,
-        prompt_logprobs: int | None = None,
+        options: RequestOptions | None = None,
     ) -> Stream:
-        """Queue a request; its `Stream` once the engine has accepted it. `arrival`,
-        `num_draft`, `structured_output` and `prompt_logprobs` are `Engine.add_request`'s.
+        """Queue a request; its `Stream` once the engine has accepted it. `options`
+        are `Engine.add_request`'s.
 
         Raises:
             TypeError, ValueError: the engine refused the request (`Engine.add_request`).
@@ -114,11 +108,10 @@ class EngineLoop:
             raise RuntimeError("the engine loop has stopped")
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[Stream] = loop.create_future()
-        arrival = time.perf_counter() if arrival is None else arrival
-        add = _Add(
-            list(prompt_ids), params, arrival, num_draft, structured_output, prompt_logprobs, loop,
-            accepted,
-        )  # fmt: skip
+        options = options or RequestOptions()
+        if options.arrival is None:  # now, not when the engine's thread takes it
+            options = dataclasses.replace(options, arrival=time.perf_counter())
+        add = _Add(list(prompt_ids), params, options, loop, accepted)
         self._send(add)
         return await accepted
 
@@ -172,14 +165,7 @@ class EngineLoop:
 
     def _add(self, add: _Add) -> None:
         try:
-            request_id = self.engine.add_request(
-                add.prompt_ids,
-                add.params,
-                add.arrival,
-                add.num_draft,
-                add.structured_output,
-                prompt_logprobs=add.prompt_logprobs,
-            )
+            request_id = self.engine.add_request(add.prompt_ids, add.params, add.options)
         except (TypeError, ValueError) as error:
             _call(add.loop, self._settle, add.accepted, None, error)
             return

@@ -34,7 +34,9 @@ from typing import Any, Literal
 from decodespec.spec.checks import ContextLengthError, ParameterError
 from decodespec.spec.params import PARAMETERS, SamplingParams, validate_request
 
-from .grammar import GrammarError, StructuredOutput
+from .grammar import GrammarError
+from .request_options import API_FIELDS as OPTION_FIELDS
+from .request_options import OPTIONS, RequestOptions
 from .scoring_api import FIELDS as SCORING_FIELDS
 from .scoring_api import Scoring, ScoringError, parse_scoring
 from .structured_api import FIELDS as STRUCTURED_FIELDS
@@ -53,7 +55,7 @@ COMMON_FIELDS = {
     "stream_options",
     "n",
     "user",
-    "num_draft",
+    *OPTION_FIELDS,
     *PARAMETER_FIELDS,
     *STRUCTURED_FIELDS,
 }
@@ -107,8 +109,8 @@ class APIRequest:
     include_usage: bool
     logprobs: bool
     model: str
-    num_draft: int | None = None  # speculative decoding: this request's cap on drafts
-    structured_output: StructuredOutput | None = None  # its grammar (`structured_api.py`)
+    # num_draft, the structured output, the engine's prompt_logprobs (`request_options.py`)
+    options: RequestOptions = field(default_factory=RequestOptions)
     scoring: Scoring = field(
         default_factory=Scoring
     )  # echo, prompt_logprobs, max_tokens 0 (`scoring_api.py`)
@@ -125,12 +127,12 @@ def parse_request(
     model: str,
     vocab_size: int,
     max_context: int,
-    max_draft: int = 0,
 ) -> APIRequest:
     """The body of a completions (`kind="completion"`) or chat request, checked.
 
-    `max_draft`: the most draft tokens a request may ask for (`num_draft`), the
-    engine's K when it has a drafter, else 0.
+    What depends on the engine beyond the model's sizes (a drafter for
+    `num_draft`, the structured output's compilation) is checked by the engine
+    when the request is added (`Engine.add_request`).
 
     Raises:
         APIError: 400 naming the parameter at fault; 404 for another model.
@@ -201,24 +203,18 @@ def parse_request(
         validate_request(params, prompt_ids, vocab_size=vocab_size, max_context=max_context)
     except ParameterError as error:
         raise refusal(error, names) from None
-    num_draft = body.get("num_draft")
-    if num_draft is not None and (
-        not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 0
-    ):
-        raise bad_param("num_draft", f"num_draft must be an integer >= 0, got {num_draft!r}")
-    if num_draft is not None and num_draft > max_draft:
-        if max_draft == 0:
-            message = "num_draft: this server has no drafter (it was started without --speculate)"
-        else:
-            message = f"num_draft must be in [0, {max_draft}], got {num_draft}"
-        raise bad_param("num_draft", message)
     try:
-        structured = parse_structured_output(body)
-    except GrammarError as error:
+        options = RequestOptions(
+            **{name: body[api] for api, name in OPTION_FIELDS.items() if api in body},
+            structured_output=parse_structured_output(body),
+            prompt_logprobs=scoring.engine_top(params.top_logprobs if logprobs else None),
+        )
+    except GrammarError as error:  # its .param is already the body field
         raise bad_param(error.param, str(error)) from None
+    except ParameterError as error:
+        raise refusal(error, {}) from None
     return APIRequest(
-        kind, prompt_ids, params, stream, include_usage, logprobs, model, num_draft, structured,
-        scoring,
+        kind, prompt_ids, params, stream, include_usage, logprobs, model, options, scoring
     )  # fmt: skip
 
 
@@ -235,6 +231,8 @@ def refusal(error: ParameterError, names: Mapping[str, str]) -> APIError:
         param = names[field]
     elif field in PARAMETERS:
         param = PARAMETERS[field].api or field
+    elif field in OPTIONS:
+        param = OPTIONS[field].api or field
     else:  # not one of the request's fields
         return bad_param(None, message, code)
     if message.startswith(field):  # say it the way the client did

@@ -15,6 +15,7 @@ from decodespec.spec.stop import StopChecker, StreamDelta
 
 from .block_allocator import PrefixKey
 from .logits_state import LogitsState
+from .request_options import RequestOptions
 
 # The longest a request goes without drafts after passes that accepted none.
 MAX_DRAFT_PAUSE = 16
@@ -94,8 +95,8 @@ class Request:
     prompt_ids: list[int]
     output: StopChecker
     logits_state: LogitsState
-    arrival: float
-    num_draft: int | None = None  # this request's cap on drafts per step (None: the engine's)
+    # Its cap on drafts, its prompt scoring, its arrival (resolved: never None).
+    options: RequestOptions
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose K/V are in the cache
     draft_slots: int = 0  # drafts this pass has cache slots for (`Scheduler.schedule`)
@@ -114,10 +115,16 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "error" or "abort"
     error: str | None = None
-    # prompt_logprobs (`Engine.add_request`): alternatives per prompt position (None: the
-    # prompt is not scored) and the scores so far, None first (position 0 has none).
-    prompt_top: int | None = None
+    # With options.prompt_logprobs: the prompt's scores so far, None first (position 0
+    # has none).
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+    @property
+    def arrival(self) -> float:
+        """When the request arrived (`RequestOptions.arrival`, set by `Engine.add_request`)."""
+        if self.options.arrival is None:
+            raise ValueError(f"request {self.id}: its options have no arrival")
+        return self.options.arrival
 
     @property
     def params(self) -> SamplingParams:
@@ -143,7 +150,7 @@ class Request:
         """Positions whose logits score a prompt token not scored yet: position p scores
         prompt token p + 1 (empty without prompt_logprobs, or once all are scored).
         The prefix cache must not serve these positions (`BlockManager.allocate`)."""
-        if self.prompt_top is None:
+        if self.options.prompt_logprobs is None:
             return range(0)
         return range(len(self.prompt_logprobs) - 1, len(self.prompt_ids) - 1)
 
@@ -163,7 +170,7 @@ class Request:
         paused: at most K (its own cap, else the engine's `num_draft`) and what
         max_tokens and the context leave room for (the token after the drafts
         always comes too)."""
-        limit = num_draft if self.num_draft is None else self.num_draft
+        limit = num_draft if self.options.num_draft is None else self.options.num_draft
         count = min(limit, max_context - self.length - 1)
         if self.params.max_tokens is not None:
             count = min(count, self.params.max_tokens - len(self.output_ids) - 1)
@@ -277,5 +284,5 @@ class RequestOutput:
             tokens_per_target_pass=len(r.output_ids) / r.target_passes if r.target_passes else None,
             preemptions=r.preemptions,
             cached_tokens=r.cached_prompt_tokens or 0,
-            prompt_logprobs=None if r.prompt_top is None else list(r.prompt_logprobs),
+            prompt_logprobs=None if r.options.prompt_logprobs is None else list(r.prompt_logprobs),
         )

@@ -161,7 +161,7 @@ class PagedModelRunner(ModelRunner):
                 )
             rows = [start + p - r.num_cached for p in wanted]
             targets = [r.prompt_ids[p + 1] for p in wanted]
-            scores.append(self.score(hidden, rows, targets, r.prompt_top or 0))
+            scores.append(self.score(hidden, rows, targets, r.options.prompt_logprobs or 0))
         return logits, paged.seq_lens.tolist(), scores
 
     def _pack(self, batch: list[Request], drafts: list[list[int]]) -> tuple[Tensor, PagedBatch]:
@@ -202,5 +202,5 @@ class NaiveModelRunner(ModelRunner):
             hidden = naive_hidden_states(self.weights, ids)  # every position's
             logits.append(project_logits(hidden[-1:], self.weights.output))
             targets = [r.prompt_ids[p + 1] for p in wanted]
-            scores.append(self.score(hidden, list(wanted), targets, r.prompt_top or 0))
+            scores.append(self.score(hidden, list(wanted), targets, r.options.prompt_logprobs or 0))
         return torch.cat(logits), [None] * len(batch), scores

@@ -145,7 +145,7 @@ class Scheduler:
             for token, logprobs, candidates in zip(
                 outcome.tokens, outcome.logprobs, outcome.candidates, strict=True
             ):
-                first = request.prompt_top is not None and not request.output_ids
+                first = request.options.prompt_logprobs is not None and not request.output_ids
                 delta = request.emit(token, logprobs, now)
                 outputs.append(
                     RequestStepOutput(

@@ -27,9 +27,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from decodespec.spec.checks import ParameterError
 from decodespec.spec.generate import TokenLogprobs
-from decodespec.spec.params import MAX_TOP_LOGPROBS
 
+from .request_options import check_prompt_logprobs
 from .tokenizer import Tokenizer
 
 FIELDS = {"completion": ("echo", "prompt_logprobs"), "chat": ("prompt_logprobs",)}
@@ -75,13 +76,11 @@ def parse_scoring(body: Mapping, kind: str, prompt_ids: list[int], tokenizer: To
         Scoring(echo=True, prompt_logprobs=None, score_only=True, prompt_text='hi')
     """
     k = body.get("prompt_logprobs")
-    if k is not None and (
-        not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS
-    ):
-        raise ScoringError(
-            "prompt_logprobs",
-            f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}",
-        )
+    if k is not None:
+        try:
+            check_prompt_logprobs(k)  # the option's own check
+        except ParameterError as error:
+            raise ScoringError("prompt_logprobs", str(error)) from None
     echo = body.get("echo", False) if kind == "completion" else False
     if not isinstance(echo, bool):
         raise ScoringError("echo", f"echo must be a boolean, got {echo!r}")

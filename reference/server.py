@@ -24,6 +24,7 @@ import logging
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from importlib import resources
 
 import anyio
@@ -154,7 +155,6 @@ class OpenAIServer:
                 model=self.model,
                 vocab_size=self.engine.config.vocab_size,
                 max_context=self.engine.config.max_context,
-                max_draft=self.engine.num_draft if self.engine.drafter is not None else 0,
             )
             stream = await self._submit(api, arrival)
         except APIError as error:
@@ -169,13 +169,11 @@ class OpenAIServer:
         if self.loop is None:
             raise APIError(503, "the engine is not running", type="server_error")
         try:
-            top = api.scoring.engine_top(api.params.top_logprobs if api.logprobs else None)
-            return await self.loop.submit(
-                api.prompt_ids, api.params, arrival, api.num_draft, api.structured_output, top
-            )
+            options = replace(api.options, arrival=arrival)
+            return await self.loop.submit(api.prompt_ids, api.params, options)
         except GrammarError as error:  # compiled by the engine when the request is added
             raise bad_param(error.param, str(error)) from None
-        except ParameterError as error:  # the spec's checks, which the engine runs again
+        except ParameterError as error:  # the engine's checks (the spec's run again, num_draft)
             raise refusal(error, {}) from None
         except CacheCapacityError as error:
             raise cache_refusal(error, api.params) from None

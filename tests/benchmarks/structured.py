@@ -95,6 +95,7 @@ from decodespec.reference.grammar import (
 from decodespec.reference.grammar_backends import BACKENDS
 from decodespec.reference.logits_state import LogitsState
 from decodespec.reference.request import RequestOutput
+from decodespec.reference.request_options import RequestOptions
 from decodespec.spec.forward import ModelWeights
 from decodespec.spec.params import SamplingParams
 from tests.benchmarks.gpu import print_targets, write_json
@@ -224,9 +225,11 @@ def run_mode(
             engine.add_request(
                 prompt,
                 SamplingParams(temperature=TEMPERATURE, seed=case.seed, max_tokens=args.max_tokens),
-                structured_output=StructuredOutput.json_schema(case.task.schema, "bench")
-                if constrained
-                else None,
+                RequestOptions(
+                    structured_output=StructuredOutput.json_schema(case.task.schema, "bench")
+                    if constrained
+                    else None
+                ),
             )
             for prompt, case in zip(prompts, all_cases, strict=True)
         ]

@@ -28,6 +28,7 @@ from jsonschema import Draft202012Validator
 
 from decodespec.reference.engine import Engine
 from decodespec.reference.grammar import StructuredOutput
+from decodespec.reference.request_options import RequestOptions
 from decodespec.spec.params import SamplingParams
 
 PROMPT = "Give an example JSON object that follows this JSON Schema:\n{schema}"
@@ -111,7 +112,9 @@ def generate(
         ids[key] = engine.add_request(
             prompt,
             SamplingParams(temperature=0.0, max_tokens=max_tokens),
-            structured_output=StructuredOutput.json_schema(schemas[key], field="bench"),
+            RequestOptions(
+                structured_output=StructuredOutput.json_schema(schemas[key], field="bench")
+            ),
         )
     steps = 0
     while engine.has_unfinished():

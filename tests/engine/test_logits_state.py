@@ -14,6 +14,7 @@ import torch
 from decodespec.reference.engine import Engine
 from decodespec.reference.grammar import Grammars, StructuredOutput
 from decodespec.reference.logits_state import LogitsState, row_outputs
+from decodespec.reference.request_options import RequestOptions
 from decodespec.spec.params import SamplingParams
 from decodespec.spec.token_mask import allowed_token_mask, bitmask_words
 from tests.engine.test_engine_vs_spec import small_model
@@ -118,7 +119,7 @@ def test_an_engine_accepts_each_draft_once_per_pass(drafter, monkeypatch):
     request_id = engine.add_request(
         list(b"abab zzzz abab zzzz ab"),
         SamplingParams(temperature=0, max_tokens=12),
-        structured_output=GRAMMAR,
+        RequestOptions(structured_output=GRAMMAR),
     )
     while engine.has_unfinished():
         engine.step()

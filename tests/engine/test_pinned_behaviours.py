@@ -21,6 +21,7 @@ from decodespec.reference import engine as engine_module
 from decodespec.reference.completions_format import usage
 from decodespec.reference.engine import Engine
 from decodespec.reference.request import Timings
+from decodespec.reference.request_options import RequestOptions
 from decodespec.spec.params import SamplingParams
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
@@ -184,7 +185,7 @@ def test_the_engine_reports_the_timings_of_its_clock(model, monkeypatch, max_tok
     clock = SimpleNamespace(perf_counter=lambda: next(step_times))
     monkeypatch.setattr(engine_module, "time", clock)
     engine = Engine(model, ByteTokenizer())
-    rid = engine.add_request([1, 2, 3, 4, 5], greedy(max_tokens), arrival=100.0)
+    rid = engine.add_request([1, 2, 3, 4, 5], greedy(max_tokens), RequestOptions(arrival=100.0))
     run_to_end(engine)
     out = engine.output(rid)
     assert engine.requests[rid].token_times == [100.25, 100.5, 101.0, 102.0][:max_tokens]

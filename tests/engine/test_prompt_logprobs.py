@@ -23,6 +23,7 @@ import torch
 from decodespec.reference import runner as runner_module
 from decodespec.reference.engine import Engine
 from decodespec.reference.grammar import StructuredOutput
+from decodespec.reference.request_options import RequestOptions
 from decodespec.spec.forward import forward_naive
 from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.params import SamplingParams
@@ -68,7 +69,10 @@ def check(actual: list[TokenLogprobs | None] | None, prompt: list[int], k: int) 
 
 
 def run(engine: Engine, requests: list[tuple[list[int], SamplingParams, int | None]]) -> list:
-    ids = [engine.add_request(p, params, prompt_logprobs=k) for p, params, k in requests]
+    ids = [
+        engine.add_request(p, params, RequestOptions(prompt_logprobs=k))
+        for p, params, k in requests
+    ]
     while engine.has_unfinished():
         engine.step()
     return [engine.release(i) for i in ids]
@@ -125,7 +129,7 @@ def test_the_first_step_output_carries_the_scores():
     engine = Engine(WEIGHTS, ByteTokenizer(), block_size=4)
     events = list(engine.generate(PROMPTS[2], greedy(3)))
     assert all(e.prompt_logprobs is None for e in events)
-    request = engine.add_request(PROMPTS[2], greedy(3), prompt_logprobs=2)
+    request = engine.add_request(PROMPTS[2], greedy(3), RequestOptions(prompt_logprobs=2))
     first = [e for e in engine.step() if e.request_id == request]
     check(first[0].prompt_logprobs, PROMPTS[2], 2)
     while engine.has_unfinished():
@@ -197,8 +201,10 @@ def test_a_constrained_request_scores_its_prompt():
     grammar = StructuredOutput("regex", source="[ab]{1,3}(x|yz)", field="t")
     engine = Engine(WEIGHTS, ByteTokenizer(), block_size=4)
     params = SamplingParams(temperature=0, max_tokens=8)
-    scored = engine.add_request(PROMPTS[2], params, structured_output=grammar, prompt_logprobs=3)
-    plain = engine.add_request(PROMPTS[2], params, structured_output=grammar)
+    scored = engine.add_request(
+        PROMPTS[2], params, RequestOptions(structured_output=grammar, prompt_logprobs=3)
+    )
+    plain = engine.add_request(PROMPTS[2], params, RequestOptions(structured_output=grammar))
     while engine.has_unfinished():
         engine.step()
     a, b = engine.release(scored), engine.release(plain)
@@ -217,6 +223,6 @@ def test_the_naive_engine_scores_the_prompt():
 def test_invalid_prompt_logprobs_are_refused(bad):
     engine = Engine(WEIGHTS, ByteTokenizer(), block_size=4)
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        engine.add_request(PROMPTS[2], greedy(2), prompt_logprobs=bad)
+        engine.add_request(PROMPTS[2], greedy(2), RequestOptions(prompt_logprobs=bad))
     (out,) = run(engine, [(PROMPTS[2], greedy(2), 20)])
     check(out.prompt_logprobs, PROMPTS[2], 20)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from decodespec.reference.engine import Engine
+from decodespec.reference.request_options import RequestOptions
 from decodespec.spec.params import SamplingParams
 from tests.engine.test_speculative_engine import DRAFTERS, drafter_name, make_engine
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
@@ -77,7 +78,7 @@ def test_a_pass_changes_no_request(drafter):
     changed: list[str] = []
     watch(engine, changed)
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
-    engine.add_request(list(b"abcabcabc abc"), params, prompt_logprobs=2)
+    engine.add_request(list(b"abcabcabc abc"), params, RequestOptions(prompt_logprobs=2))
     engine.add_request(list(b"xyz xyz"), params)
     passes = 0
     while engine.has_unfinished():

@@ -11,6 +11,7 @@ import pytest
 from decodespec.reference.block_manager import BlockManager
 from decodespec.reference.logits_state import LogitsState
 from decodespec.reference.request import PassOutcome, Request
+from decodespec.reference.request_options import RequestOptions
 from decodespec.reference.scheduler import Scheduler
 from decodespec.spec.params import SamplingParams
 from decodespec.spec.stop import StopChecker
@@ -33,8 +34,7 @@ def request(id: int, prompt_len: int, max_tokens: int = 8, num_draft: int | None
             max_context=MAX_CONTEXT,
         ),
         logits_state=LogitsState(params, prompt),
-        arrival=0.0,
-        num_draft=num_draft,
+        options=RequestOptions(arrival=0.0, num_draft=num_draft),
     )
 
 

@@ -27,6 +27,7 @@ from decodespec.reference.cache import PagedKVCache
 from decodespec.reference.engine import Engine
 from decodespec.reference.grammar import StructuredOutput
 from decodespec.reference.request import MAX_DRAFT_PAUSE, Draft, Request
+from decodespec.reference.request_options import RequestOptions
 from decodespec.spec.forward import forward_naive
 from decodespec.spec.params import SamplingParams, sampling_tensors
 from decodespec.spec.sampling import process_logits
@@ -152,17 +153,17 @@ def test_a_request_caps_its_own_drafts(num_draft, passes):
     weights = random_weights(small_config(num_layers=2), seed=4)
     engine = Engine(weights, ByteTokenizer(), speculate="layers:2", num_draft=3)
     params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
-    request = engine.add_request(list(b"hello"), params, num_draft=num_draft)
+    request = engine.add_request(list(b"hello"), params, RequestOptions(num_draft=num_draft))
     drain(engine)
     out = engine.output(request)
     assert out.token_ids == plain_run(weights, ByteTokenizer(), list(b"hello"), params).token_ids
     assert out.completion_tokens / out.tokens_per_target_pass == passes
     assert out.draft_tokens == 17 - passes
     with pytest.raises(ValueError, match=r"num_draft must be in \[0, 3\]"):
-        engine.add_request([1], params, num_draft=4)
+        engine.add_request([1], params, RequestOptions(num_draft=4))
     plain = Engine(weights, ByteTokenizer())
     with pytest.raises(ValueError, match="no drafter"):
-        plain.add_request([1], params, num_draft=1)
+        plain.add_request([1], params, RequestOptions(num_draft=1))
 
 
 def test_drafts_wait_for_room_in_the_cache():
@@ -454,7 +455,7 @@ def check_speculative_distribution(drafter, params, setting, grammar=None, bitma
         engine.add_request(
             DISTRIBUTION_PROMPT,
             SamplingParams(**{**vars(params), "seed": seed}),
-            structured_output=grammar,
+            RequestOptions(structured_output=grammar),
         )
         for seed in range(DRAWS)
     ]

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from decodespec.reference.engine import Engine
 from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
 from decodespec.reference.grammar_backends import BACKENDS
+from decodespec.reference.request_options import RequestOptions
 from decodespec.reference.sampler import GRAMMAR_INVALID
 from decodespec.spec.generate import generate
 from decodespec.spec.params import SamplingParams
@@ -134,7 +135,9 @@ def run(engine: Engine, workload, abort: int | None = None):
         for index, (prompt, params, arrival, name) in enumerate(workload):
             if arrival <= step and index not in ids:
                 grammar = GRAMMARS[name] if name else None
-                ids[index] = engine.add_request(prompt, params, structured_output=grammar)
+                ids[index] = engine.add_request(
+                    prompt, params, RequestOptions(structured_output=grammar)
+                )
                 events[ids[index]] = []
         if abort is not None and step == 2 and abort in ids:
             engine.abort(ids[abort])
@@ -280,7 +283,7 @@ def test_drafts_that_leave_the_grammar_are_cut_before_verification():
     prompt = list(b"abab zzzz abab zzzz ab")
     grammar = StructuredOutput("regex", source="(ab)+z?", field="t")
     params = SamplingParams(temperature=0, max_tokens=12)
-    request_id = engine.add_request(prompt, params, structured_output=grammar)
+    request_id = engine.add_request(prompt, params, RequestOptions(structured_output=grammar))
     while engine.has_unfinished():
         engine.step()
     text = engine.output(request_id).text
@@ -324,7 +327,7 @@ def test_a_grammar_that_cannot_be_used_is_refused_naming_its_field(output, messa
     engine = Engine(small_model(1), TOKENIZER)
     good = engine.add_request([1, 2], SamplingParams(temperature=0, max_tokens=3))
     with pytest.raises(GrammarError, match=rf"^f: .*{re.escape(message)}") as caught:
-        engine.add_request([1, 2], SamplingParams(), structured_output=output)
+        engine.add_request([1, 2], SamplingParams(), RequestOptions(structured_output=output))
     assert caught.value.param == "f"
     while engine.has_unfinished():
         engine.step()
@@ -354,7 +357,7 @@ def test_ignore_eos_with_a_grammar_is_refused():
         engine.add_request(
             [1],
             SamplingParams(ignore_eos=True),
-            structured_output=GRAMMARS["choice"],
+            RequestOptions(structured_output=GRAMMARS["choice"]),
         )
     assert caught.value.param == "ignore_eos"
 
@@ -365,7 +368,9 @@ def test_min_tokens_past_a_complete_grammar_fails_that_request_alone():
     engine = Engine(weights, TOKENIZER)
     choice = StructuredOutput("choice", choices=("no",), field="t")
     doomed = engine.add_request(
-        [5, 6], SamplingParams(temperature=0, min_tokens=4, max_tokens=8), structured_output=choice
+        [5, 6],
+        SamplingParams(temperature=0, min_tokens=4, max_tokens=8),
+        RequestOptions(structured_output=choice),
     )
     other = engine.add_request([5, 6], SamplingParams(temperature=0, max_tokens=6))
     while engine.has_unfinished():
@@ -381,7 +386,7 @@ def test_a_grammar_cut_short_by_max_tokens_ends_with_length_and_the_partial_text
     engine = Engine(small_model(4), TOKENIZER)
     grammar = StructuredOutput("regex", source="abcdefgh", field="t")
     request_id = engine.add_request(
-        [1], SamplingParams(temperature=0, max_tokens=3), structured_output=grammar
+        [1], SamplingParams(temperature=0, max_tokens=3), RequestOptions(structured_output=grammar)
     )
     while engine.has_unfinished():
         engine.step()
@@ -420,7 +425,7 @@ def test_a_model_drafter_draws_its_drafts_from_masked_distributions(drafter):
         engine.add_request(
             [1, 2, 3],
             SamplingParams(temperature=1.0, seed=seed, max_tokens=10),
-            structured_output=GRAMMARS["regex"],
+            RequestOptions(structured_output=GRAMMARS["regex"]),
         )
     while engine.has_unfinished():
         engine.step()
