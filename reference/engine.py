@@ -38,7 +38,7 @@ from .block_manager import BlockManager, NaiveBlockManager
 from .cache import PagedKVCache
 from .drafters import Drafter, make_drafter
 from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
-from .grammar import GrammarError, Grammars
+from .grammar import GrammarCompiler, GrammarError
 from .logits_state import LogitsState
 from .request import Draft, PassOutcome, Request, RequestOutput, RequestStepOutput
 from .request_options import RequestOptions
@@ -134,7 +134,7 @@ class Engine:
             draft_model = self.backend.prepare_weights(draft_model)
         self.weights = weights
         self.sampler = Sampler(self.backend, self.config.vocab_size, self.eos_token_ids)
-        self.grammars = Grammars(tokenizer, self.config.vocab_size, grammar_backend)
+        self.grammar_compiler = GrammarCompiler(tokenizer, self.config.vocab_size, grammar_backend)
         self.cache: PagedKVCache | None = None
         self.runner: ModelRunner
         if naive:
@@ -225,7 +225,7 @@ class Engine:
                     "ignore_eos cannot be combined with a structured output: the grammar "
                     "ends the output with the end-of-sequence token",
                 )
-            matcher = self.grammars.matcher(structured_output)
+            matcher = self.grammar_compiler.matcher(structured_output)
         if params.seed is None:  # the one place seeds are drawn (SAMPLE-SEED-1)
             drawn = sampling_params.resolve_seed(params, self.generator).seed
             # Below 2**53: the seed is reported back, and a JSON client that reads
@@ -234,7 +234,7 @@ class Engine:
         request = Request(
             id=self._next_id,
             prompt_ids=prompt_ids,
-            output=StopChecker(
+            stop_checker=StopChecker(
                 params,
                 eos_token_ids=self.eos_token_ids,
                 token_bytes=self.tokenizer.token_bytes,

@@ -2,7 +2,7 @@
 
 A request may ask for output that matches a JSON Schema, any JSON object, a
 regular expression, an EBNF grammar or one of a list of strings
-(`StructuredOutput`). `Grammars` compiles it once, before the request is
+(`StructuredOutput`). `GrammarCompiler` compiles it once, before the request is
 queued, with one of two libraries (`grammar_backends`: llguidance by default,
 or xgrammar) over this model's vocabulary; each request then gets its own
 matcher, which fills the row's token bitmask every step and advances with
@@ -117,12 +117,12 @@ class StructuredOutput:
         return cls("json_schema", source=schema, field=field)
 
 
-class Grammars:
+class GrammarCompiler:
     """Compiles structured outputs for one tokenizer, with one grammar library (`backend`,
     one of `grammar_backends.BACKENDS`), and makes their matchers.
 
     Example:
-        >>> grammars = Grammars(tokenizer, vocab_size=49152)  # doctest: +SKIP
+        >>> grammars = GrammarCompiler(tokenizer, vocab_size=49152)  # doctest: +SKIP
         >>> matcher = grammars.matcher(StructuredOutput("regex", source="yes|no", field="t"))
     """
 

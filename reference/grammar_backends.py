@@ -13,7 +13,7 @@ bound, and not any whitespace or none, is measured in `make bench-structured`
 (docs/structured.md).
 
 A source that does not compile raises `CompileError` with the library's
-message (`Grammars` names the request field). Which JSON Schema keywords each
+message (`GrammarCompiler` names the request field). Which JSON Schema keywords each
 backend may see is `schema_policy`'s business, checked before `compile`.
 """
 

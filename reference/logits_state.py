@@ -12,7 +12,7 @@ is added — as the spec's loop keeps its matcher beside its stop checker
 
 The matcher, top to bottom (MASK-ADVANCE-1):
 - created when the request is added (`Engine.add_request`, compiled by
-  `grammar.Grammars`);
+  `grammar.GrammarCompiler`);
 - each pass, `grammar_rows` walks it along the request's drafts in one sweep:
   fill the mask after the output, then per draft accept it and fill the next
   row; the first draft the grammar rejects ends the sweep, and the drafts

@@ -86,14 +86,14 @@ class PassOutcome:
 class Request:
     """A request in flight: its prompt, parameters, cache blocks, output and timings.
 
-    `output` decides the stop conditions and the text (the spec's stop stage);
+    `stop_checker` decides the stop conditions and the text (the spec's stop stage);
     `logits_state` is what the logits stage reads (`logits_state.py`); both
     are advanced with every emitted token (`emit`).
     """
 
     id: int
     prompt_ids: list[int]
-    output: StopChecker
+    stop_checker: StopChecker
     logits_state: LogitsState
     # Its cap on drafts, its prompt scoring, its arrival (resolved: never None).
     options: RequestOptions
@@ -133,12 +133,12 @@ class Request:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.output.token_ids
+        return self.stop_checker.token_ids
 
     @property
     def length(self) -> int:
         """Prompt and output tokens so far."""
-        return len(self.prompt_ids) + len(self.output.token_ids)
+        return len(self.prompt_ids) + len(self.stop_checker.token_ids)
 
     def new_tokens(self) -> list[int]:
         """Tokens the next pass runs through the model: what the cache lacks of
@@ -161,7 +161,7 @@ class Request:
         if logprobs is not None:
             self.logprobs.append(logprobs)
         self.logits_state.advance(token_id)
-        return self.output.append(token_id)
+        return self.stop_checker.append(token_id)
 
     # -- speculative decoding: how many drafts to ask for
 
@@ -266,7 +266,7 @@ class RequestOutput:
         timing = Timings.of(r.arrival, r.token_times, len(r.prompt_ids))
         return cls(
             request_id=r.id,
-            text=r.output.text,
+            text=r.stop_checker.text,
             token_ids=r.output_ids,
             finish_reason=r.finish_reason,
             seed=r.params.seed,

@@ -23,7 +23,7 @@ and a null `json_schema.schema`), nor is `"json_object": false` in
 for no constraint: `{"regex": "a+", "json_object": false}` is a regex, as
 vLLM's and OpenAI's clients may send it. Every error is a `GrammarError` whose
 `.param` names the field at fault; the grammar itself is compiled, and its
-errors raised, by the engine when the request is added (`Grammars.compile`).
+errors raised, by the engine when the request is added (`GrammarCompiler.compile`).
 """
 
 from __future__ import annotations

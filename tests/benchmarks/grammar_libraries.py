@@ -1,6 +1,6 @@
 """xgrammar and llguidance side by side, for `make bench-structured`: the constrained
 answers' tokens replayed through both backends of `reference/grammar_backends.py` on
-one thread, exactly as the engine runs them (`Grammars(tokenizer, vocab, name)`,
+one thread, exactly as the engine runs them (`GrammarCompiler(tokenizer, vocab, name)`,
 `grammars.compile(output)`, `grammars.backend.matcher(compiled)`), timing the
 vocabulary tables, each schema's compile and every mask fill
 (tests/benchmarks/structured.py says why)."""
@@ -14,7 +14,7 @@ from importlib.metadata import version
 import torch
 
 from decodespec.reference import grammar_backends
-from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+from decodespec.reference.grammar import GrammarCompiler, GrammarError, StructuredOutput
 from decodespec.spec.token_mask import bitmask_words
 from tests.benchmarks.structured_tasks import TASKS
 
@@ -58,7 +58,7 @@ def _allowed(bitmask: torch.Tensor) -> int:
     return sum(bin(word & 0xFFFFFFFF).count("1") for word in bitmask.tolist())
 
 
-def build_tables(grammars: Grammars) -> object:
+def build_tables(grammars: GrammarCompiler) -> object:
     """The backend's vocabulary tables, built as on an engine's first grammar."""
     backend = grammars.backend
     if backend.name == "xgrammar":
@@ -68,8 +68,8 @@ def build_tables(grammars: Grammars) -> object:
     return backend._ll_tokenizer()
 
 
-def compile_schema(grammars: Grammars, schema: object) -> object:
-    """`schema` compiled as the engine compiles a request's (`Grammars.compile`: the
+def compile_schema(grammars: GrammarCompiler, schema: object) -> object:
+    """`schema` compiled as the engine compiles a request's (`GrammarCompiler.compile`: the
     meta-schema check, `schema_policy`, then the library), xgrammar's cache cleared."""
     if grammars.backend.name == "xgrammar":
         grammars.backend._xgrammar_compiler().clear_cache()
@@ -81,7 +81,7 @@ def compare_matchers(
 ) -> dict:
     """xgrammar and llguidance on one thread: tables, compile per schema, and each mask
     fill while replaying the constrained answers' tokens through both in lockstep."""
-    grammars = {name: Grammars(tokenizer, vocab_size, name) for name in LIBRARIES}
+    grammars = {name: GrammarCompiler(tokenizer, vocab_size, name) for name in LIBRARIES}
     tables_ms = {}
     for name in LIBRARIES:
         tables_ms[name], _ = _median_ms(lambda name=name: build_tables(grammars[name]), repeats)
@@ -162,7 +162,7 @@ def compare_matchers(
         f"as the engine runs them: the JSON layout of at most "
         f"{grammar_backends.MAX_JSON_WHITESPACE} whitespace characters wherever JSON allows it",
         "statistic": f"tables and compile: median of {repeats} builds (compile: "
-        "`Grammars.compile`, meta-schema check and schema policy included; xgrammar's cache "
+        "`GrammarCompiler.compile`, meta-schema check and schema policy included; xgrammar's cache "
         "cleared before each); fills: every mask of the replay, with the schemas "
         "as run and again without their maxLength bounds",
         "xgrammar": library("xgrammar"),

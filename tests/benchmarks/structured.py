@@ -88,8 +88,8 @@ from decodespec.reference.backend import SERVE_BACKEND
 from decodespec.reference.engine import Engine
 from decodespec.reference.grammar import (
     DEFAULT_BACKEND,
+    GrammarCompiler,
     GrammarError,
-    Grammars,
     StructuredOutput,
 )
 from decodespec.reference.grammar_backends import BACKENDS
@@ -540,14 +540,14 @@ def coverage(tokenizer: object, vocab_size: int, smoke: bool) -> tuple[dict, dic
     schemas = bench_schemas(smoke)
     for name in BACKENDS:
         print(f"  {name}: JSON Schema Test Suite ...", file=sys.stderr, flush=True)
-        suite[name] = suite_coverage(Grammars(tokenizer, vocab_size, name), smoke)
+        suite[name] = suite_coverage(GrammarCompiler(tokenizer, vocab_size, name), smoke)
         if suite[name]["unsound"]:
             loud(
                 [f"SOUNDNESS: {name} admits invalid instances of the JSON Schema Test Suite:"]
                 + [f"{u['case']}: {u['instance']}: {u['text']}" for u in suite[name]["unsound"]]
             )
         print(f"  {name}: JSONSchemaBench compile ...", file=sys.stderr, flush=True)
-        bench[name] = compile_coverage(Grammars(tokenizer, vocab_size, name), schemas)
+        bench[name] = compile_coverage(GrammarCompiler(tokenizer, vocab_size, name), schemas)
     keyword_table = {}
     for name in BACKENDS:
         for group, row in suite[name].pop("groups").items():
@@ -555,7 +555,7 @@ def coverage(tokenizer: object, vocab_size: int, smoke: bool) -> tuple[dict, dic
     test_suite = {
         "source": suite_source(),
         "method": "Every case's schema checked and compiled as a request's "
-        "(`Grammars.compile`); for a compiled one, each instance written in the grammar's "
+        "(`GrammarCompiler.compile`); for a compiled one, each instance written in the grammar's "
         "layout and fed to a fresh matcher token by token, then the stop token "
         "(tests/grammar/schema_suite.py). Invalid admitted: soundness, must be 0; valid "
         "accepted / run: completeness",
@@ -565,9 +565,9 @@ def coverage(tokenizer: object, vocab_size: int, smoke: bool) -> tuple[dict, dic
     jsonschemabench = {
         "source": bench_source(),
         "schemas": len(schemas),
-        "method": "Each schema compiled as a request's (`Grammars.compile`: meta-schema check, "
-        "schema policy, the library), one at a time on one thread, xgrammar's compiler cache "
-        "cleared before each (llguidance keeps none); compile time of every schema, refused "
+        "method": "Each schema compiled as a request's (`GrammarCompiler.compile`: meta-schema "
+        "check, schema policy, the library), one at a time on one thread, xgrammar's compiler "
+        "cache cleared before each (llguidance keeps none); compile time of every schema, refused "
         "ones included",
         "backends": bench,
     }

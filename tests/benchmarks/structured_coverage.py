@@ -7,7 +7,7 @@
   Per group (the suite's file: a keyword such as `maxLength`, or `format/date`), one
   row of the keyword × backend table.
 - The JSONSchemaBench subset (tests/grammar/data/jsonschemabench: 14 real-world
-  schemas from each of 9 sets): schemas each backend compiles (`Grammars.compile`,
+  schemas from each of 9 sets): schemas each backend compiles (`GrammarCompiler.compile`,
   meta-schema check and schema policy included), per set, refusals per keyword, and
   the compile time per schema (xgrammar's compiler cache cleared before each;
   llguidance keeps none).
@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+from decodespec.reference.grammar import GrammarCompiler, GrammarError, StructuredOutput
 from tests.grammar.schema_suite import SUITE, refused_keyword, run_suite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def suite_source() -> str:
     return source.read_text().strip() if source.exists() else "JSON Schema Test Suite"
 
 
-def suite_coverage(grammars: Grammars, smoke: bool) -> dict:
+def suite_coverage(grammars: GrammarCompiler, smoke: bool) -> dict:
     """The whole suite (smoke: SMOKE_GROUPS) through one backend: totals, per group."""
     start = time.perf_counter()
     result = run_suite(grammars, SMOKE_GROUPS if smoke else None)
@@ -100,7 +100,7 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[round(q * (len(ordered) - 1))]
 
 
-def compile_coverage(grammars: Grammars, schemas: dict[str, object]) -> dict:
+def compile_coverage(grammars: GrammarCompiler, schemas: dict[str, object]) -> dict:
     """Which of `schemas` one backend compiles, per set, refusals per keyword, and the
     compile time of each (refused ones included: the refusal is the compile's answer)."""
     backend = grammars.backend

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from decodespec.reference.engine import Engine
-from decodespec.reference.grammar import Grammars, StructuredOutput
+from decodespec.reference.grammar import GrammarCompiler, StructuredOutput
 from decodespec.reference.logits_state import LogitsState, row_outputs
 from decodespec.reference.request_options import RequestOptions
 from decodespec.spec.params import SamplingParams
@@ -49,7 +49,7 @@ class CountingMatcher:
 
 
 def counting_state() -> tuple[LogitsState, CountingMatcher]:
-    matcher = CountingMatcher(Grammars(TOKENIZER, VOCAB).matcher(GRAMMAR))
+    matcher = CountingMatcher(GrammarCompiler(TOKENIZER, VOCAB).matcher(GRAMMAR))
     return LogitsState(SamplingParams(), [1, 2], matcher=matcher), matcher
 
 
@@ -96,13 +96,13 @@ def test_an_engine_accepts_each_draft_once_per_pass(drafter, monkeypatch):
     swept (each once) and, for a model drafter, once more while drafting, plus the
     emitted tokens: nothing re-accepted row by row."""
     counters = []
-    matcher = Grammars.matcher
+    matcher = GrammarCompiler.matcher
 
     def counting(self, output):
         counters.append(CountingMatcher(matcher(self, output)))
         return counters[-1]
 
-    monkeypatch.setattr(Grammars, "matcher", counting)
+    monkeypatch.setattr(GrammarCompiler, "matcher", counting)
     engine = Engine(small_model(3), TOKENIZER, speculate=drafter, num_draft=4)
     swept, sweep_accepts, allowed = [], [], []
     constrain = engine._constrain

@@ -38,8 +38,8 @@ def snapshot(requests) -> list[dict]:
                 name: copy.copy(value) if isinstance(value, PLAIN) else id(value)
                 for name, value in vars(r).items()
             },
-            "output.token_ids": list(r.output.token_ids),
-            "output.text": r.output.text,
+            "stop_checker.token_ids": list(r.stop_checker.token_ids),
+            "stop_checker.text": r.stop_checker.text,
         }
         for r in requests
     ]

@@ -26,7 +26,7 @@ def request(id: int, prompt_len: int, max_tokens: int = 8, num_draft: int | None
     return Request(
         id=id,
         prompt_ids=prompt,
-        output=StopChecker(
+        stop_checker=StopChecker(
             params,
             eos_token_ids=[EOS],
             token_bytes=lambda t: bytes([97 + t % 26]),

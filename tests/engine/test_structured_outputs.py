@@ -20,7 +20,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from decodespec.reference.engine import Engine
-from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+from decodespec.reference.grammar import GrammarCompiler, GrammarError, StructuredOutput
 from decodespec.reference.grammar_backends import BACKENDS
 from decodespec.reference.request_options import RequestOptions
 from decodespec.reference.sampler import GRAMMAR_INVALID
@@ -77,7 +77,7 @@ def allowed(matcher) -> list[int]:
 @pytest.mark.clause("MASK-MATCHER-1")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_matcher_allows_eos_exactly_when_the_text_is_complete(backend):
-    grammars = Grammars(TOKENIZER, VOCAB, backend)
+    grammars = GrammarCompiler(TOKENIZER, VOCAB, backend)
     matcher = grammars.matcher(StructuredOutput("regex", source="a(b|c)d?", field="t"))
     a, b, c, d = (ord(ch) for ch in "abcd")
     assert allowed(matcher) == [a]
@@ -94,7 +94,7 @@ def test_a_matcher_allows_eos_exactly_when_the_text_is_complete(backend):
 def test_a_matcher_with_nothing_left_to_match_takes_the_stop_token_and_rolls_it_back(backend):
     # llguidance stops by itself after "ab" (nothing can follow) and no longer takes
     # tokens; the matcher must still take the stop token once, and undo it.
-    matcher = Grammars(TOKENIZER, VOCAB, backend).matcher(
+    matcher = GrammarCompiler(TOKENIZER, VOCAB, backend).matcher(
         StructuredOutput("regex", source="ab", field="t")
     )
     a, b = ord("a"), ord("b")
@@ -149,7 +149,7 @@ def run(engine: Engine, workload, abort: int | None = None):
 
 
 def check(engine: Engine, weights, workload, ids, events, skip=()) -> None:
-    grammars = Grammars(TOKENIZER, VOCAB)
+    grammars = GrammarCompiler(TOKENIZER, VOCAB)
     for index, request_id in ids.items():
         if index in skip:
             continue
@@ -471,7 +471,7 @@ def test_the_triton_backend_under_grammars_is_the_spec_loop(workload, seed):
     ],
 )
 def test_json_matchers_never_repeat_a_key(backend, output):
-    matcher = Grammars(TOKENIZER, VOCAB, backend).matcher(output)
+    matcher = GrammarCompiler(TOKENIZER, VOCAB, backend).matcher(output)
     for byte in b'{"a": 1, "a':
         assert matcher.accept_token(byte)
     assert ord('"') not in allowed(matcher)  # "a" again: refused

@@ -1,7 +1,7 @@
 """The JSON Schema Test Suite (draft 2020-12) run through the grammar stage, no model.
 
 For every case (a schema and instances marked valid or invalid) and a grammar
-backend: the schema is checked as a request's would be (`Grammars.compile`);
+backend: the schema is checked as a request's would be (`GrammarCompiler.compile`);
 a refused schema is counted under the keyword its error names. For an accepted
 one, each instance is written in the grammar's layout (`layout_json`: the
 schema's property order, compact) and fed to a fresh matcher
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+from decodespec.reference.grammar import GrammarCompiler, GrammarError, StructuredOutput
 
 SUITE = Path(__file__).parent / "data" / "json-schema-test-suite"
 # Keywords that only annotate (never change validity): not worth a column of their own.
@@ -92,7 +92,7 @@ def layout_json(value: Any, schema: Any = None) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def matcher_accepts(grammars: Grammars, compiled: Any, text: str) -> bool:
+def matcher_accepts(grammars: GrammarCompiler, compiled: Any, text: str) -> bool:
     """Whether a fresh matcher of `compiled` takes `text` (any tokenization of it: the
     tokenizer's) and then a stop token."""
     matcher = grammars.backend.matcher(compiled)
@@ -130,7 +130,7 @@ def refused_keyword(message: str) -> str:
     `maxItems must be ...`); a schema that admits nothing is "(unsatisfiable)", one the
     JSON Schema meta-schema refuses is named by the keyword at its place."""
     if ": " in message and message.split(": ", 1)[0].isidentifier():
-        message = message.split(": ", 1)[1]  # the request field Grammars names
+        message = message.split(": ", 1)[1]  # the request field GrammarCompiler names
     for pattern, keyword in _LIBRARY_REFUSALS:
         found = pattern.search(message)
         if found:
@@ -162,7 +162,7 @@ class SuiteResult:
     misses: list = field(default_factory=list)  # (case id, instance description, text)
 
 
-def run_suite(grammars: Grammars, groups: set[str] | None = None) -> SuiteResult:
+def run_suite(grammars: GrammarCompiler, groups: set[str] | None = None) -> SuiteResult:
     result = SuiteResult(grammars.backend.name)
     for case in cases(groups):
         result.cases[case.group] += 1

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from decodespec.reference.gguf_file import open_gguf
-from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+from decodespec.reference.grammar import GrammarCompiler, GrammarError, StructuredOutput
 from decodespec.reference.grammar_backends import BACKENDS
 from decodespec.reference.model_files import bundled_model_path
 from decodespec.reference.tokenizer import Tokenizer
@@ -27,9 +27,9 @@ def bundled_tokenizer() -> Tokenizer:
 
 
 @functools.cache
-def grammars(backend: str) -> Grammars:
+def grammars(backend: str) -> GrammarCompiler:
     tokenizer = bundled_tokenizer()
-    return Grammars(tokenizer, tokenizer.vocab_size, backend)
+    return GrammarCompiler(tokenizer, tokenizer.vocab_size, backend)
 
 
 @pytest.mark.clause("MASK-SOUND-1")

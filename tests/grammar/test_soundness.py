@@ -26,7 +26,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from decodespec.reference import grammar as grammar_module
-from decodespec.reference.grammar import GrammarError, Grammars, StructuredOutput
+from decodespec.reference.grammar import GrammarCompiler, GrammarError, StructuredOutput
 from decodespec.reference.grammar_backends import BACKENDS
 from decodespec.spec.token_mask import allowed_token_mask
 from tests.engine.toy import ByteTokenizer
@@ -37,9 +37,9 @@ VOCABULARIES = ("bundled", "bytes")
 
 
 @functools.cache
-def grammars(backend: str, vocabulary: str) -> Grammars:
+def grammars(backend: str, vocabulary: str) -> GrammarCompiler:
     tokenizer = bundled_tokenizer() if vocabulary == "bundled" else ByteTokenizer()
-    return Grammars(tokenizer, tokenizer.vocab_size, backend)
+    return GrammarCompiler(tokenizer, tokenizer.vocab_size, backend)
 
 
 @functools.cache
@@ -49,7 +49,7 @@ def single_byte_tokens(vocabulary: str) -> torch.Tensor:
     return torch.tensor([len(tokenizer.token_bytes(i)) == 1 for i in range(tokenizer.vocab_size)])
 
 
-def random_walk(grammars: Grammars, compiled: object, rng: random.Random) -> str | None:
+def random_walk(grammars: GrammarCompiler, compiled: object, rng: random.Random) -> str | None:
     """The text of one random path through a fresh matcher to its stop token, or None
     if it did not stop within MAX_STEPS."""
     tokenizer = grammars.tokenizer
@@ -190,7 +190,7 @@ def test_the_walks_find_what_xgrammar_drops_without_the_schema_policy(monkeypatc
     # xgrammar's grammar of the first example lets a username past maxLength 8 through.
     monkeypatch.setattr(grammar_module, "enforceable_schema", lambda schema, backend: schema)
     schema = ISSUE_EXAMPLES[0][0]
-    fresh = Grammars(ByteTokenizer(), ByteTokenizer.vocab_size, "xgrammar")
+    fresh = GrammarCompiler(ByteTokenizer(), ByteTokenizer.vocab_size, "xgrammar")
     with pytest.raises(AssertionError, match="admitted"):
         compiled = fresh.compile(StructuredOutput.json_schema(schema, field="schema"))
         rng = random.Random(0)

@@ -178,7 +178,7 @@ def test_three_fields_are_refused_naming_each():
 
 
 def test_the_grammar_is_not_compiled_here():
-    # Its errors are raised by the engine when the request is added (Grammars.compile).
+    # Its errors are raised by the engine when the request is added (GrammarCompiler.compile).
     assert parse_structured_output({"guided_regex": "a(b"}).source == "a(b"
     grammar = {"structured_outputs": {"grammar": 'root ::= ("a"'}}
     assert parse_structured_output(grammar).source == 'root ::= ("a"'
