@@ -7,6 +7,10 @@ in caches small enough to evict cached blocks and preempt running requests,
 with SHA-256 or a hash that always collides. After every step the block
 accounting is checked (`check_blocks`); at the end every request is compared
 with the spec loop (`check_all`: tokens, text, finish reason, logprobs).
+
+A preempted and readmitted request reports the prompt tokens the prefix cache
+served at its *first* admission, never the blocks it cached for itself before it
+was preempted (`cached_tokens`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from decodespec.reference.block_allocator import (
     PrefixKey,
     block_hash,
 )
+from decodespec.reference.completions_format import usage
 from decodespec.reference.engine import Engine
 from decodespec.spec.params import SamplingParams
 from tests.engine.test_engine_vs_spec import (
@@ -33,7 +38,14 @@ from tests.engine.test_engine_vs_spec import (
     run_workload,
     small_model,
 )
-from tests.engine.toy import ByteTokenizer, random_weights, small_config
+from tests.engine.toy import (
+    ByteTokenizer,
+    greedy,
+    random_weights,
+    record_admissions,
+    run_to_end,
+    small_config,
+)
 
 
 def always_collides(parent_key: bytes, tokens) -> bytes:
@@ -295,6 +307,48 @@ def test_prefix_caching_off_registers_nothing():
     assert engine.block_manager.allocator.cached_blocks == frozenset()
     with pytest.raises(TypeError, match="prefix_caching must be True or False"):
         Engine(small_model(7), ByteTokenizer(), prefix_caching="yes")
+
+
+# ---------------------------------------------------------------- cached_tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_weights(small_config(), seed=5)
+
+
+PREFIX = list(range(40, 48))  # two full blocks of 4
+OWN = [1, 2, 3, 4, 5, 6]  # A's prompt: PREFIX + OWN, 14 tokens
+
+
+@pytest.mark.clause("LOOP-PREFIX-1")
+@pytest.mark.parametrize("first_hit", [8, 0], ids=["prefix-hit", "no-hit"])
+def test_cached_tokens_of_a_readmitted_request_are_its_first_admissions(model, first_hit):
+    """A maps PREFIX's two blocks from the cache (or nothing, when no earlier request
+    left them), generates until its own blocks are full and registered, is preempted
+    by the older B, and is readmitted after B ends, mapping 16 positions of its own
+    blocks. Its cached_tokens (output, Request, OpenAI usage) stay the first figure."""
+    # 8 blocks of 4: B (6 + up to 8 tokens) and A (14 + up to 10) need 10 blocks at 7
+    # tokens each, so B's growth preempts A (the later admitted), then B ends.
+    engine = Engine(model, ByteTokenizer(), block_size=4, cache_tokens=32)
+    if first_hit:  # leave PREFIX's two blocks in the prefix cache
+        engine.add_request([*PREFIX, 9], greedy(1))
+        run_to_end(engine)
+    admissions = record_admissions(engine)
+    b = engine.add_request([7, 7, 7, 8, 8, 8], greedy(8))
+    a = engine.add_request(PREFIX + OWN, greedy(10))
+    run_to_end(engine)
+
+    # Preconditions: A was preempted once, and its recompute reused its own blocks
+    # (more positions than its first admission mapped, and the whole prompt).
+    assert engine.output(a).preemptions == 1 and engine.output(b).preemptions == 0
+    assert [n for i, n in admissions if i == a] == [first_hit, 16]
+    assert engine.output(a).finish_reason == "length" and engine.output(a).completion_tokens == 10
+
+    assert engine.requests[a].cached_prompt_tokens == first_hit
+    assert engine.output(a).cached_tokens == first_hit
+    assert usage(engine.output(a))["prompt_tokens_details"]["cached_tokens"] == first_hit
+    assert engine.output(b).cached_tokens == 0
 
 
 # ---------------------------------------------------------------- the allocator

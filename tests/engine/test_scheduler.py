@@ -2,6 +2,11 @@
 admission first come first served, growth before admission, preemption of the
 most recently admitted, draft slots, and postprocess applying a pass's outcome
 (the scheduler is the one writer of a request's cache positions after a pass).
+
+The waiting order, in a section of its own, runs an Engine with a small random
+model: a preempted request waits first in line, so no request that arrived
+earlier or later is admitted before it, and requests preempted in one step keep
+the order of their admission.
 """
 
 from __future__ import annotations
@@ -9,12 +14,21 @@ from __future__ import annotations
 import pytest
 
 from decodespec.reference.block_manager import BlockManager
+from decodespec.reference.engine import Engine
 from decodespec.reference.logits_state import LogitsState
 from decodespec.reference.request import PassOutcome, Request
 from decodespec.reference.request_options import RequestOptions
 from decodespec.reference.scheduler import Scheduler
 from decodespec.spec.params import SamplingParams
 from decodespec.spec.stop import StopChecker
+from tests.engine.toy import (
+    ByteTokenizer,
+    greedy,
+    random_weights,
+    record_admissions,
+    run_to_end,
+    small_config,
+)
 
 MAX_CONTEXT = 64
 EOS = 0
@@ -115,3 +129,61 @@ def test_a_paused_request_takes_no_drafts_and_its_pause_passes():
     assert (r.draft_slots, r.draft_pause) == (0, 1)
     assert r.drafts_wanted(3, MAX_CONTEXT) == 3  # asking does not change the request
     assert r.draft_pause == 1
+
+
+# ---------------------------------------------------------------- the waiting order
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_weights(small_config(), seed=5)
+
+
+def waiting_ids(engine: Engine) -> list[int]:
+    return [r.id for r in engine.scheduler.waiting]
+
+
+def test_a_preempted_request_waits_ahead_of_requests_that_arrived_before(model):
+    """A and B run, C waits (it does not fit); B is preempted: the queue is [B, C],
+    and B is readmitted before C, although C had waited longer."""
+    # 10 blocks of 1 position: A and B (4-token prompts) and C cannot all run.
+    engine = Engine(model, ByteTokenizer(), block_size=1, cache_tokens=10, prefix_caching=False)
+    admissions = record_admissions(engine)
+    a = engine.add_request([10, 11, 12, 13], greedy(6))
+    b = engine.add_request([20, 21, 22, 23], greedy(6))
+    c = engine.add_request([30, 31, 32, 33], greedy(1))
+    waiting = []
+    for _ in range(3):
+        engine.step()
+        waiting.append(waiting_ids(engine))
+    assert [i for i, _ in admissions] == [a, b]
+    assert engine.output(b).preemptions == 1, "precondition: B is preempted in step 3"
+    assert waiting == [[c], [c], [b, c]]
+    d = engine.add_request([40], greedy(1))  # arrives after the preemption: behind both
+    assert waiting_ids(engine) == [b, c, d]
+    run_to_end(engine)
+    assert [i for i, _ in admissions] == [a, b, b, c, d]
+    assert [engine.output(i).finish_reason for i in (a, b, c, d)] == ["length"] * 4
+
+
+def test_requests_preempted_in_one_step_keep_their_admission_order(model):
+    """A, B, C run and D joins last; in one step A's growth preempts D and B's preempts
+    C. The queue is [C, D, E] (E arrived before the preemptions), and C is readmitted
+    before D, both before E."""
+    # 16 blocks of 1 position: A, B, C (4-token prompts) and D (1 token) fill them in step 2.
+    engine = Engine(model, ByteTokenizer(), block_size=1, cache_tokens=16, prefix_caching=False)
+    admissions = record_admissions(engine)
+    a, b, c = (engine.add_request([10 * k, 1, 2, 3], greedy(3)) for k in (1, 2, 3))
+    engine.step()
+    d = engine.add_request([40], greedy(4))
+    engine.step()
+    e = engine.add_request(list(range(50, 60)), greedy(2))  # does not fit: it waits
+    assert [i for i, _ in admissions] == [a, b, c, d] and waiting_ids(engine) == [e]
+
+    engine.step()
+    assert [engine.output(i).preemptions for i in (a, b, c, d)] == [0, 0, 1, 1], (
+        "precondition: C and D are preempted in the same step"
+    )
+    assert waiting_ids(engine) == [c, d, e]
+    run_to_end(engine)
+    assert [i for i, _ in admissions] == [a, b, c, d, c, d, e]

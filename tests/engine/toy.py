@@ -1,10 +1,17 @@
-"""Small random models and a byte tokenizer for engine tests (no files, no network)."""
+"""Small random models, a byte tokenizer and helpers that drive an engine, for engine
+tests (no files, no network)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from decodespec.spec.forward import LayerWeights, ModelConfig, ModelWeights, RopeScaling
+from decodespec.spec.params import SamplingParams
+
+if TYPE_CHECKING:
+    from decodespec.reference.engine import Engine
 
 
 def random_weights(
@@ -83,3 +90,28 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode(errors="replace")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def record_admissions(engine: Engine) -> list[tuple[int, int]]:
+    """(request id, positions mapped from the prefix cache) of every admission that
+    succeeds, in order; admissions that do not fit are left out."""
+    log: list[tuple[int, int]] = []
+    admit = engine.scheduler.admit
+
+    def recording_admit(request):
+        admitted = admit(request)
+        if admitted:
+            log.append((request.id, request.num_cached))
+        return admitted
+
+    engine.scheduler.admit = recording_admit
+    return log
+
+
+def run_to_end(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
