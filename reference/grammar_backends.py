@@ -63,28 +63,75 @@ def _vocabulary(tokenizer: Tokenizer) -> list[bytes]:
     return [b"" if i in special else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
 
 
-class XGrammarMatcher:
-    """One request's matcher over an xgrammar automaton."""
+class Utf8Guard:
+    """The tokens that would spell a UTF-16 surrogate (U+D800-U+DFFF) in UTF-8.
 
-    def __init__(self, matcher: object) -> None:
+    xgrammar's byte-level automaton takes any continuation byte after 0xED, so over
+    a vocabulary with byte tokens it admits "\\xed\\xa0\\x80", which is not UTF-8: a
+    JSON string of it does not decode, let alone validate (MASK-SOUND-1; found by
+    tests/grammar/test_soundness.py, about 1 walk in 8 of {"type": "string"} over
+    bytes). UTF-8 allows only 0x80-0x9F after 0xED. `inside` holds the tokens that
+    spell one whole; `after_ed` those that complete one when the text so far ends
+    in a 0xED lead byte (`ends_in_ed`). Packed as `[words]` int32 rows of the tokens
+    still allowed (MASK-LAYOUT-1)."""
+
+    def __init__(self, vocabulary: Sequence[bytes], words: int) -> None:
+        import torch
+
+        surrogate = re.compile(rb"\xed[\xa0-\xbf]")
+        inside = [bool(surrogate.search(b)) for b in vocabulary]
+        after_ed = [bool(b) and 0xA0 <= b[0] <= 0xBF for b in vocabulary]
+        self.ends_in_ed = [b.endswith(b"\xed") for b in vocabulary]
+        self.inside = frozenset(i for i, bad in enumerate(inside) if bad)
+        self.after_ed = frozenset(i for i, bad in enumerate(after_ed) if bad)
+        self.allowed = self._pack(torch, inside, words)
+        self.allowed_after_ed = self._pack(
+            torch, [a or b for a, b in zip(inside, after_ed, strict=True)], words
+        )
+
+    @staticmethod
+    def _pack(torch: object, forbidden: Sequence[bool], words: int) -> Tensor:
+        bits = torch.ones(words * 32, dtype=torch.bool)
+        bits[: len(forbidden)] = ~torch.tensor(forbidden, dtype=torch.bool)
+        weights = torch.tensor([1 << k for k in range(32)], dtype=torch.int64)
+        packed = (bits.view(words, 32).to(torch.int64) * weights).sum(1)
+        return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+class XGrammarMatcher:
+    """One request's matcher over an xgrammar automaton, its UTF-8 guarded
+    (`Utf8Guard`): what the guard refuses is neither in the mask nor accepted."""
+
+    def __init__(self, matcher: object, guard: Utf8Guard) -> None:
         self._matcher = matcher
+        self._guard = guard
+        self._ends_in_ed = [False]  # after each accepted token; rolled back with them
 
     def fill_bitmask(self, bitmask: Tensor) -> None:
         """Write the allowed next tokens into a `[words]` int32 row (MASK-LAYOUT-1);
         none once a stop token was accepted (xgrammar raises there instead)."""
         if self._matcher.is_terminated():
             bitmask.zero_()
-        else:
-            self._matcher.fill_next_token_bitmask(bitmask[None], 0)
+            return
+        self._matcher.fill_next_token_bitmask(bitmask[None], 0)
+        guard = self._guard
+        bitmask &= guard.allowed_after_ed if self._ends_in_ed[-1] else guard.allowed
 
     def accept_token(self, token_id: int) -> bool:
-        if self._matcher.is_terminated():
+        if self._matcher.is_terminated() or token_id in self._guard.inside:
             return False
-        return bool(self._matcher.accept_token(token_id))
+        if self._ends_in_ed[-1] and token_id in self._guard.after_ed:
+            return False
+        if not self._matcher.accept_token(token_id):
+            return False
+        ends = self._guard.ends_in_ed  # a special token (b"") or a padded id: no 0xED
+        self._ends_in_ed.append(ends[token_id] if token_id < len(ends) else False)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self._matcher.rollback(num_tokens)
+            del self._ends_in_ed[-num_tokens:]
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
@@ -99,6 +146,7 @@ class XGrammarBackend:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: object = None
+        self._guard: Utf8Guard | None = None
 
     def _xgrammar_compiler(self) -> object:
         if self._compiler is None:
@@ -134,7 +182,9 @@ class XGrammarBackend:
     def matcher(self, compiled: object) -> XGrammarMatcher:
         import xgrammar
 
-        return XGrammarMatcher(xgrammar.GrammarMatcher(compiled))
+        if self._guard is None:
+            self._guard = Utf8Guard(_vocabulary(self.tokenizer), (self.vocab_size + 31) // 32)
+        return XGrammarMatcher(xgrammar.GrammarMatcher(compiled), self._guard)
 
 
 class _LLGuidanceVocabulary:

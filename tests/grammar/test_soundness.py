@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from decodespec.reference import grammar as grammar_module
 from decodespec.reference.grammar import GrammarCompiler, GrammarError, StructuredOutput
 from decodespec.reference.grammar_backends import BACKENDS
-from decodespec.spec.token_mask import allowed_token_mask
+from decodespec.spec.token_mask import allowed_token_mask, bitmask_words
 from tests.engine.toy import ByteTokenizer
 from tests.grammar.test_schema_test_suite import ISSUE_EXAMPLES, bundled_tokenizer
 
@@ -199,3 +199,33 @@ def test_the_walks_find_what_xgrammar_drops_without_the_schema_policy(monkeypatc
             text = random_walk(fresh, compiled, rng)
             if text is not None:
                 assert validator.is_valid(json.loads(text)), f"admitted {text!r}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_backend_spells_a_surrogate_in_utf8(backend):
+    """After `"` and the lead byte 0xED inside a JSON string, UTF-8 allows only the
+    continuation bytes 0x80-0x9F (0xA0-0xBF would spell U+D800-U+DFFF, which no
+    UTF-8 decoder takes). xgrammar's automaton takes any continuation byte there;
+    the engine's guard (`grammar_backends.Utf8Guard`) refuses the rest, in the mask
+    and in `accept_token` alike, and forgets the lead byte on rollback."""
+    fresh = GrammarCompiler(ByteTokenizer(), ByteTokenizer.vocab_size, backend)
+    compiled = fresh.compile(StructuredOutput.json_schema({"type": "string"}, field="s"))
+    matcher = fresh.backend.matcher(compiled)
+    row = torch.zeros(bitmask_words(ByteTokenizer.vocab_size), dtype=torch.int32)
+
+    def allowed() -> set[int]:
+        matcher.fill_bitmask(row)
+        mask = allowed_token_mask(row[None], ByteTokenizer.vocab_size)[0]
+        return set(mask.nonzero().flatten().tolist())
+
+    assert matcher.accept_token(ord('"'))
+    assert 0xED in allowed()
+    assert matcher.accept_token(0xED)
+    after_lead = allowed()
+    assert after_lead == set(range(0x80, 0xA0)), sorted(after_lead)
+    assert not matcher.accept_token(0xA0)
+    assert matcher.accept_token(0x9F)  # U+D7C0..: the last code points before them
+    assert matcher.accept_token(0x80)
+    assert 0xA0 not in allowed() and ord("a") in allowed()  # a whole character again
+    matcher.rollback(2)
+    assert allowed() == after_lead  # the lead byte is pending again
