@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-prefix bench-structured bench-quant gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-determinism bench-prefix bench-structured bench-quant gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	@python3 -m venv $(VENV) || { \
@@ -107,6 +107,12 @@ bench-speculative: $(STAMP)
 # (TTFT, inter-token latency, tokens/s; about two minutes): results/serve-cpu.json
 bench-serve: $(STAMP)
 	$(PY) -m tests.benchmarks.serve
+
+# Is a seeded request's answer a function of the request alone? 16 seeded, sampled
+# requests with logprobs sent alone, together, staggered and beside a long prompt,
+# compared bitwise (results/determinism-cpu.json; BASE_URL=... for another server).
+bench-determinism: $(STAMP)
+	$(PY) -m tests.benchmarks.determinism $(if $(BASE_URL),--base-url $(BASE_URL))
 
 # CPU benchmark of prefix caching: the time to first token of questions after a system
 # prompt of 512, 1,024 and 2,048 tokens, cache on and off (about six minutes):

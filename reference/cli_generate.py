@@ -14,6 +14,7 @@ from decodespec.spec.params import MAX_TOP_LOGPROBS, SamplingParams
 
 from .backend import BACKENDS, get_backend
 from .cli_options import (
+    add_batch_invariant_flag,
     add_grammar_backend_flag,
     add_sampling_flags,
     add_weights_flag,
@@ -87,6 +88,7 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
         "--choice", action="append", metavar="TEXT", help="one of these strings (repeatable)"
     )
     add_grammar_backend_flag(gen)
+    add_batch_invariant_flag(gen)
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.add_argument(
@@ -208,6 +210,7 @@ def generate(args: argparse.Namespace) -> int:
         num_draft=args.num_draft,
         draft_model=draft_model,
         grammar_backend=args.grammar_backend,
+        batch_invariant=args.batch_invariant,
     )
     del weights  # the engine holds the backend's copy (weight_formats)
     print(f"weights: {describe(engine.weights)}", file=sys.stderr)

@@ -137,3 +137,13 @@ def add_grammar_backend_flag(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_GRAMMAR_BACKEND,
         help=f"the library that compiles structured outputs (default {DEFAULT_GRAMMAR_BACKEND})",
     )
+
+
+def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a seeded request's tokens and logprobs bitwise the same whatever else runs "
+        "beside it (projections in blocks of at least 16 rows, attention per sequence, no "
+        "native step; see docs/determinism.md for what it costs)",
+    )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .backend import BACKENDS, SERVE_BACKEND, get_backend
 from .cli_options import (
+    add_batch_invariant_flag,
     add_grammar_backend_flag,
     add_weights_flag,
     load_model_with_progress,
@@ -49,6 +50,7 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
     srv.add_argument("--speculate", metavar="DRAFTER", help="as for generate")
     srv.add_argument("--num-draft", type=int, default=4, metavar="K")
     add_grammar_backend_flag(srv)
+    add_batch_invariant_flag(srv)
     srv.set_defaults(run=serve)
 
 
@@ -88,6 +90,7 @@ def serve(args: argparse.Namespace) -> int:
         num_draft=args.num_draft,
         draft_model=draft_model.to(device) if draft_model is not None else None,
         grammar_backend=args.grammar_backend,
+        batch_invariant=args.batch_invariant,
     )
     del weights, draft_model  # the engine holds the backend's copies (weight_formats)
     print(f"weights: {describe(engine.weights)}", file=sys.stderr)

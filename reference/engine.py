@@ -34,6 +34,7 @@ from decodespec.spec.stop import StopChecker
 from decodespec.spec.token_mask import bitmask_words
 
 from .backend import check_backend_device, get_backend
+from .batch_invariance import batch_invariant_backend, row_blocked
 from .block_manager import BlockManager, NaiveBlockManager
 from .cache import PagedKVCache
 from .drafters import Drafter, make_drafter
@@ -82,6 +83,9 @@ class Engine:
         draft_model: the second model of `speculate="model"` (same vocabulary).
         grammar_backend: the library that compiles structured outputs, "llguidance"
             (the default) or "xgrammar" (`grammar_backends.py`).
+        batch_invariant: a request's tokens and logprobs are bitwise the same
+            alone or in any batch, with or without a cached prefix
+            (`batch_invariance.py`).
 
     Example (see `generate` for one request):
         >>> engine = Engine(weights, tokenizer)                    # doctest: +SKIP
@@ -106,8 +110,10 @@ class Engine:
         num_draft: int = 4,
         draft_model: ModelWeights | None = None,
         grammar_backend: str = DEFAULT_GRAMMAR_BACKEND,
+        batch_invariant: bool = False,
     ) -> None:
-        for name, flag in (("naive", naive), ("prefix_caching", prefix_caching)):
+        flags = {"naive": naive, "prefix_caching": prefix_caching}
+        for name, flag in {**flags, "batch_invariant": batch_invariant}.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         block_size = _check_int("block_size", block_size, 1)
@@ -132,6 +138,11 @@ class Engine:
         weights = self.backend.prepare_weights(weights)
         if draft_model is not None:
             draft_model = self.backend.prepare_weights(draft_model)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:  # a request's bits its own, whatever the batch (batch_invariance)
+            self.backend = batch_invariant_backend(self.backend)
+            weights = row_blocked(weights)
+            draft_model = row_blocked(draft_model) if draft_model is not None else None
         self.weights = weights
         self.sampler = Sampler(self.backend, self.config.vocab_size, self.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(tokenizer, self.config.vocab_size, grammar_backend)

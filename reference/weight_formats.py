@@ -217,6 +217,7 @@ def weight_bytes(model: ModelWeights) -> int:
 
     def count(value: Weight | None) -> None:
         nonlocal total
+        value = getattr(value, "unwrapped", value)  # a batch_invariance.RowBlockLinear's
         if value is None or id(value) in seen:
             return
         seen.add(id(value))
@@ -243,6 +244,7 @@ def describe(model: ModelWeights) -> str:
 
 
 def _kind(weight: Weight) -> str:
+    weight = getattr(weight, "unwrapped", weight)  # a batch_invariance.RowBlockLinear's
     if isinstance(weight, Tensor):
         return str(weight.dtype).removeprefix("torch.")
     group = "" if weight.group_size == weight.shape[1] else f" g{weight.group_size}"

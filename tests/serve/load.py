@@ -348,12 +348,15 @@ def in_process(
     max_tokens: int = MAX_TOKENS,
     cache_tokens: int = 4096,
     backend: str = SERVE_BACKEND,
+    **engine_options: object,
 ) -> float:
     """Aggregate output tokens/s of `prompts` (greedy, `ignore_eos`, `max_tokens` each)
     through a fresh `Engine` in this process: all added at once, stepped until done.
     The prompts are encoded as `/v1/completions` encodes a string prompt; the
-    backend is the server's."""
-    engine = Engine(weights, tokenizer, seed=0, cache_tokens=cache_tokens, backend=backend)
+    backend is the server's; `engine_options` go to the `Engine`."""
+    engine = Engine(
+        weights, tokenizer, seed=0, cache_tokens=cache_tokens, backend=backend, **engine_options
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [tokenizer.encode(prompt) for prompt in prompts]
     with torch.inference_mode():

@@ -1,0 +1,145 @@
+"""Batch-invariant mode: a request's logits are bitwise a function of the request alone.
+
+Without it, a seeded request's tokens and logprobs can depend on what else the
+engine is running (issue 40): the same row of a projection comes out of a
+CPU GEMM in different bits when the GEMM has 1, 2, 3 or 5 rows than when it
+has 16 or more (the BLAS picks another kernel and another summation order);
+the torch backend's batched attention pads every sequence of a group to the
+group's longest, which changes the length of each row's sums; and the native
+decode step runs only passes of a few tokens, so a request's token takes the
+C loops alone and the PyTorch path beside a prefill. Each is fixed here, for
+every backend:
+
+- every projection, the output one included, multiplies at least `ROW_BLOCK`
+  rows at a time: fewer are padded with zero rows, whose outputs are dropped
+  (`RowBlockLinear`). A row's bits then depend on the row alone — measured on
+  PyTorch 2.13's CPU GEMM for M = 1 … 500 and the model's shapes, and checked
+  by `tests/engine/test_batch_invariance.py` on the machine that runs it;
+- attention and the KV append are the spec's own, one sequence at a time,
+  whatever the batch (`spec.attention.paged_attention`, `spec.append.append_kv`);
+- the sampling stages (processors, sampling, logprobs, verification) run on one
+  thread (`one_thread`): PyTorch splits a lone row's sums between threads;
+- no native step: every pass takes the same PyTorch path.
+
+The norms, RoPE and the MLP's elementwise steps already compute each row by
+itself. `Engine(batch_invariant=True)`, `--batch-invariant` on
+`generate` and `serve`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import fields, replace
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from decodespec.spec import append, attention
+from decodespec.spec.forward import ModelWeights, Weight
+
+from .backend import Backend
+
+ROW_BLOCK = 16  # the fewest rows a projection multiplies at once
+T = TypeVar("T")
+
+
+class RowBlockLinear:
+    """A projection that multiplies at least `ROW_BLOCK` rows at a time.
+
+    Wraps a dense weight `[N, K]` or a quantized one (anything with `linear`);
+    `unwrapped` is the wrapped one, whose `shape`, `nbytes`, `bits` and
+    `group_size` it answers with.
+
+    Example:
+        >>> w = torch.randn(8, 4)
+        >>> x = torch.randn(3, 4)
+        >>> torch.allclose(RowBlockLinear(w).linear(x), x @ w.T)
+        True
+    """
+
+    def __init__(self, weight: Weight) -> None:
+        self.unwrapped = weight
+        self.shape = tuple(weight.shape)
+
+    def __getattr__(self, name: str) -> object:  # bits, group_size, nbytes, dtype, ...
+        return getattr(self.__dict__["unwrapped"], name)
+
+    def linear(self, x: Tensor) -> Tensor:
+        rows = x.shape[0]
+        if rows < ROW_BLOCK:
+            padded = x.new_zeros((ROW_BLOCK, *x.shape[1:]))
+            padded[:rows] = x
+            return self._product(padded)[:rows]
+        # A strided view (a slice of a wider tensor) takes another GEMM path than a
+        # contiguous one: every call gets a contiguous input, whatever made it.
+        return self._product(x.contiguous())
+
+    def _product(self, x: Tensor) -> Tensor:
+        if isinstance(self.unwrapped, Tensor):
+            return x @ self.unwrapped.T
+        return self.unwrapped.linear(x)
+
+    def dequantize(self) -> Tensor:
+        return self.unwrapped if isinstance(self.unwrapped, Tensor) else self.unwrapped.dequantize()
+
+    def to(self, device: torch.device | str) -> RowBlockLinear:
+        return RowBlockLinear(self.unwrapped.to(device))
+
+
+def row_blocked(weights: ModelWeights) -> ModelWeights:
+    """`weights` with every projection and the output one a `RowBlockLinear` (the
+    embedding, norms and biases as they are; a tied output still reads the
+    embedding's tensor)."""
+
+    def wrap(weight: Weight | None) -> Weight | None:
+        if weight is None or isinstance(weight, RowBlockLinear):
+            return weight
+        return RowBlockLinear(weight)
+
+    layers = [
+        replace(layer, **{f.name: wrap(getattr(layer, f.name)) for f in fields(layer)
+                          if f.name.endswith("_proj")})
+        for layer in weights.layers
+    ]  # fmt: skip
+    return replace(weights, layers=layers, output=wrap(weights.output))
+
+
+def one_thread(stage: Callable[..., T]) -> Callable[..., T]:
+    """`stage` run on one intra-op thread: a row's sums then never split across threads.
+
+    PyTorch reduces a `[rows, vocab]` tensor's rows in parallel when it has enough
+    rows, and splits the one row of a `[1, vocab]` tensor between the threads
+    otherwise, in another order: a request's logprobs alone then differ in their
+    last bits from the same row beside others. On one thread every row is summed
+    the same way. The sampling stages are a small part of a step's time."""
+
+    @functools.wraps(stage)
+    def on_one_thread(*args: object, **kwargs: object) -> T:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return on_one_thread
+
+
+def batch_invariant_backend(backend: Backend) -> Backend:
+    """`backend` with the spec's per-sequence attention and KV append, its sampling
+    stages on one thread, and no native step."""
+    return replace(
+        backend,
+        paged_attention=attention.paged_attention,
+        append_kv=append.append_kv,
+        sample=one_thread(backend.sample),
+        process_logits=one_thread(backend.process_logits),
+        compute_logprobs=one_thread(backend.compute_logprobs),
+        verify_drafts=one_thread(backend.verify_drafts),
+        native_step=lambda weights: None,
+        kernel_ops=tuple(
+            op for op in backend.kernel_ops if op not in ("paged_attention", "append_kv")
+        ),
+    )

@@ -1,0 +1,149 @@
+"""Batch-invariant mode (`Engine(batch_invariant=True)`, `reference/batch_invariance.py`):
+a seeded request's tokens and every logprob are bitwise the same alone, in a batch of
+any composition, after a cached prefix, and with speculative decoding (issue 40)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decodespec.reference.batch_invariance import ROW_BLOCK, RowBlockLinear, row_blocked
+from decodespec.reference.engine import Engine
+from decodespec.reference.weight_formats import convert_weights, describe
+from decodespec.spec.params import SamplingParams
+from tests.engine.toy import ByteTokenizer, random_weights, small_config
+
+# Wide enough that the CPU GEMM takes different kernels for different row counts
+# (at hidden 32 every row count gives the same bits, and the tests would prove nothing).
+CONFIG = small_config(
+    hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64,
+    max_context=256,
+)  # fmt: skip
+PARAMS = SamplingParams(temperature=0.8, seed=11, max_tokens=6, top_logprobs=3, ignore_eos=True)
+REQUEST = list(b"The quick brown fox jumps over the lazy dog. The quick brown fox")
+SYSTEM = list(b"System: you are a helpful assistant who answers briefly. ")
+
+
+@pytest.fixture(scope="module")
+def models():
+    weights = random_weights(CONFIG, seed=3)
+    return {"float32": weights, "int4": convert_weights(weights, "int4")}
+
+
+def run(
+    engine: Engine,
+    prompts: list[list[int]],
+    joins: list[int] | None = None,
+    params: SamplingParams = PARAMS,
+) -> list:
+    """Each prompt's output; prompt i joins at step `joins[i]` (default: all at once)."""
+    joins = joins or [0] * len(prompts)
+    ids: dict[int, int] = {}
+    step = 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        for i, prompt in enumerate(prompts):
+            if i not in ids and joins[i] <= step:
+                ids[i] = engine.add_request(prompt, params)
+        engine.step()
+        step += 1
+    return [engine.output(ids[i]) for i in range(len(prompts))]
+
+
+def bits(output) -> list:
+    """Every token, logprob and alternative of an output, as exact floats."""
+    return [(lp.token_id, lp.logprob, lp.rank, tuple(lp.top)) for lp in output.logprobs]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 15, 16, 17, 33, 100])
+@pytest.mark.parametrize("shape", [(512, 256), (256, 512), (4096, 256)])
+def test_a_row_blocked_projection_gives_each_row_the_same_bits(rows, shape):
+    """The premise of the mode, checked on the machine that runs it: a row's product
+    through `RowBlockLinear` does not depend on how many rows share the call, nor on
+    what the others hold, nor on where the row sits."""
+    g = torch.Generator().manual_seed(rows)
+    weight = RowBlockLinear(torch.randn(shape, generator=g))
+    row = torch.randn(1, shape[1], generator=g)
+    alone = weight.linear(row)
+    batch = torch.randn(rows, shape[1], generator=g)
+    position = rows // 2
+    batch[position] = row[0]
+    assert torch.equal(weight.linear(batch)[position], alone[0])
+    assert torch.allclose(alone, row @ weight.unwrapped.T, rtol=1e-4, atol=1e-3)
+
+
+def test_row_blocked_weights_keep_their_formats(models):
+    """Every projection and the output are wrapped; what the weights are is unchanged."""
+    for weights in models.values():
+        blocked = row_blocked(weights)
+        assert all(isinstance(layer.q_proj, RowBlockLinear) for layer in blocked.layers)
+        assert isinstance(blocked.output, RowBlockLinear)
+        assert blocked.embedding is weights.embedding
+        assert describe(blocked) == describe(weights)
+    assert ROW_BLOCK == 16
+
+
+@settings(deadline=None, max_examples=4)
+@given(
+    lengths=st.lists(st.integers(1, 60), min_size=1, max_size=3),
+    position=st.integers(0, 4),
+    joins=st.lists(st.integers(0, 6), min_size=5, max_size=5),
+)
+@pytest.mark.parametrize("backend", ["spec", "torch"])
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_a_request_has_the_same_bits_alone_and_in_any_batch(
+    models, fmt, backend, lengths, position, joins
+):
+    weights = models[fmt]
+    alone = bits(run(Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True),
+                     [REQUEST])[0])  # fmt: skip
+    others = [list(bytes(range(97, 97 + 26)) * 4)[:n] for n in lengths]
+    position = min(position, len(others))
+    prompts = [*others[:position], REQUEST, *others[position:]]
+    engine = Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True)
+    together = run(engine, prompts, joins[: len(prompts)])
+    assert bits(together[position]) == alone
+
+
+@pytest.mark.parametrize("backend", ["spec", "torch"])
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_a_cached_prefix_and_speculation_change_no_bit(models, fmt, backend):
+    """LOOP-PREFIX-1 made bitwise: the prompt's rows after a prefix another request
+    cached, and a verify pass's rows, come out as computed alone, token by token."""
+    weights = models[fmt]
+    prompt = SYSTEM + REQUEST
+
+    def engine(**options):
+        return Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True, **options)
+
+    alone = bits(run(engine(), [prompt])[0])
+    cached = engine()
+    run(cached, [SYSTEM + list(b"Hi")])
+    after_prefix = run(cached, [prompt])[0]
+    assert after_prefix.cached_tokens > 0
+    assert bits(after_prefix) == alone
+    # Speculation samples by rejection (its draws are not plain sampling's), so the
+    # verify pass is compared greedy: each position's logprobs as computed alone.
+    greedy = SamplingParams(temperature=0, max_tokens=8, top_logprobs=3, ignore_eos=True)
+    plain = run(engine(), [prompt], params=greedy)[0]
+    speculating = run(engine(speculate="ngram", num_draft=3), [prompt], params=greedy)[0]
+    assert speculating.draft_tokens > 0
+    assert bits(speculating) == bits(plain)
+
+
+def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch():
+    """PyTorch splits the sums of a lone `[1, vocab]` row between its threads: the
+    mode's backend runs the sampling stages on one thread, so a request's logprobs
+    alone equal its logprobs beside another request (a vocabulary as wide as the
+    bundled model's: narrow rows are never split)."""
+    from decodespec.reference.backend import get_backend
+    from decodespec.reference.batch_invariance import batch_invariant_backend
+
+    backend = batch_invariant_backend(get_backend("torch"))
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 4
+    tokens = torch.tensor([7, 9])
+    alone = backend.compute_logprobs(logits[1:], tokens[1:], 5)
+    batch = backend.compute_logprobs(logits, tokens, 5)
+    assert torch.equal(alone.top_logprobs[0], batch.top_logprobs[1])
+    assert torch.equal(alone.token_logprobs[0], batch.token_logprobs[1])
