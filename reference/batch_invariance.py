@@ -10,11 +10,12 @@ decode step runs only passes of a few tokens, so a request's token takes the
 C loops alone and the PyTorch path beside a prefill. Each is fixed here, for
 every backend:
 
-- every projection, the output one included, multiplies at least `ROW_BLOCK`
-  rows at a time: fewer are padded with zero rows, whose outputs are dropped
-  (`RowBlockLinear`). A row's bits then depend on the row alone — measured on
-  PyTorch 2.13's CPU GEMM for M = 1 … 500 and the model's shapes, and checked
-  by `tests/engine/test_batch_invariance.py` on the machine that runs it;
+- every projection, the output one included, multiplies a multiple of
+  `ROW_STEP` rows when it has fewer than `ROW_BLOCK`: the rest are zero rows,
+  whose outputs are dropped (`RowBlockLinear`). A row's bits then depend on the
+  row alone — measured on PyTorch 2.13's CPU GEMM for M = 1 … 2,048 and the
+  model's shapes, and checked by `tests/engine/test_batch_invariance.py` on the
+  machine that runs it;
 - attention and the KV append are the spec's own, one sequence at a time,
   whatever the batch (`spec.attention.paged_attention`, `spec.append.append_kv`);
 - the sampling stages (processors, sampling, logprobs, verification) run on one
@@ -41,12 +42,16 @@ from decodespec.spec.forward import ModelWeights, Weight
 
 from .backend import Backend
 
-ROW_BLOCK = 16  # the fewest rows a projection multiplies at once
+# A projection multiplies its rows as they are from ROW_BLOCK rows up; fewer are
+# padded to a multiple of ROW_STEP, whose rows come out in the same bits (measured:
+# 1, 2, 3, 5, 6, 9 or 10 rows do not, and padding all to 16 costs 16x at batch 1).
+ROW_BLOCK = 16
+ROW_STEP = 4
 T = TypeVar("T")
 
 
 class RowBlockLinear:
-    """A projection that multiplies at least `ROW_BLOCK` rows at a time.
+    """A projection that multiplies a multiple of `ROW_STEP` rows below `ROW_BLOCK`.
 
     Wraps a dense weight `[N, K]` or a quantized one (anything with `linear`);
     `unwrapped` is the wrapped one, whose `shape`, `nbytes`, `bits` and
@@ -68,8 +73,8 @@ class RowBlockLinear:
 
     def linear(self, x: Tensor) -> Tensor:
         rows = x.shape[0]
-        if rows < ROW_BLOCK:
-            padded = x.new_zeros((ROW_BLOCK, *x.shape[1:]))
+        if rows < ROW_BLOCK and rows % ROW_STEP:
+            padded = x.new_zeros((-(-rows // ROW_STEP) * ROW_STEP, *x.shape[1:]))
             padded[:rows] = x
             return self._product(padded)[:rows]
         # A strided view (a slice of a wider tensor) takes another GEMM path than a

@@ -10,7 +10,8 @@ show the data files they were built with. It fills `peers.md` from
 `<!-- structured-results -->` marker of `structured.md` from
 `results/structured-cpu.json` (`make bench-structured`), and the
 `<!-- quant-results -->` marker of `quantization.md` from
-`results/quant-cpu.json` (`make bench-quant`) with `docs.tools.quant`.
+`results/quant-cpu.json` (`make bench-quant`) with `docs.tools.quant`, and the
+Determinism page's tables from `results/determinism*.json` with `docs.tools.determinism`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from docs.tools import peers  # noqa: E402
+from docs.tools import determinism, peers  # noqa: E402
 from docs.tools.figures import RESULTS_DIR, all_figures, fill_captions, read_json  # noqa: E402
 from docs.tools.performance import (  # noqa: E402
     STRUCTURED_FILE,
@@ -94,4 +95,6 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     if page.file.src_uri == "quantization.md":
         report = read_json(RESULTS_DIR / QUANT_FILE)
         markdown = markdown.replace(QUANT_MARKER, quant_section(report, level=3))
+    if page.file.src_uri == "determinism.md":
+        markdown = determinism.fill(markdown)
     return fill_captions(markdown)
