@@ -86,6 +86,16 @@ of a sequence's last block past its length, may hold anything, NaN included,
 without changing the output (masking after multiplying is not enough:
 NaN · 0 is NaN).
 
+[ATTN-INVARIANT-1] Batch invariance: a sequence's output rows and their
+log-sum-exp are bitwise functions of its own arguments — its queries,
+`seq_lens[b]`, its query count, the scale and the keys and values its
+block-table row points to — whatever else the call holds: the other
+sequences (their number, lengths, query counts, blocks), their order, and
+the block table's width. An implementation that cuts a sequence's
+positions into ranges (split-KV) cuts them at boundaries fixed by nothing
+else and merges them in one fixed order, however many programs share the
+work. The spec computes each sequence by itself.
+
 [ATTN-VALID-1] Invalid arguments raise `ValueError` naming the argument:
 shapes (q 3-D, caches 4-D and equal, head_dim shared, `block_table`
 `[batch, max_blocks_per_seq]`, `seq_lens` `[batch]`, `query_start`

@@ -32,7 +32,26 @@ positions (prefix caching) — and run only the tokens after them, m short of
 the whole sequence (the last token always runs: its logits choose the next
 one). The request's tokens, text, logprobs and finish reason are the loop's.
 Fewer tokens in a pass may change a logit in its last bits, as batching
-does; equality is then decided with the same explicit near-tie ambiguity.
+does; equality is then decided with the same explicit near-tie ambiguity —
+except in batch-invariant mode, where it is bitwise (LOOP-INVARIANT-1).
+
+[LOOP-INVARIANT-1] Batch-invariant mode. An engine in this mode reproduces
+the loop bitwise: each step's logits, hence its token under a seed and every
+logprob, are the bits of this loop run on the request alone with the mode's
+stage functions, whatever else the engine runs (other requests, their
+number, lengths and arrival, the block size, preemption), after a cached
+prefix, and under speculation (a position's logits in a (k + 1)-token verify
+pass are its logits computed alone). Every operation then computes a row
+the same way whatever else is in its call: attention (ATTN-INVARIANT-1) and
+the sampling stages (SAMPLE-INVARIANT-1, VERIFY-OUTPUT-1) by their own
+clauses; the norms, RoPE and the MLP's elementwise steps row by row as they
+are written; and the projections over their number of rows M, which no
+stage clause asks of a matmul: a CPU GEMM picks other kernels, summing in
+other orders, for different M. decodespec's `--batch-invariant` multiplies
+a multiple of 4 rows whenever a projection has fewer than 16
+(`reference/batch_invariance.py`, measured for M = 1 … 2,048), and the loop
+given the same projections (the engine's weights: its formats, row-blocked)
+and stage functions is that mode's reference.
 
 [LOOP-DECODE-1] Every later step t (counting from 0) runs exactly one token,
 the one step t − 1 emitted, at position n + t − 1 through the cache; the

@@ -101,6 +101,20 @@ row's log-probabilities: 1 is the most likely, tied tokens share a rank.
 [LOGPROB-TOP-1] The top-n alternatives (0 <= n <= 20) are the n largest
 log-probabilities in descending order, ties to the smaller token id.
 
+
+Batch invariance
+----------------
+[SAMPLE-INVARIANT-1] Every operation of this stage computes a row from that
+row alone: `sample`'s token, `process_logits`'s row and `compute_logprobs`'s
+logprob, rank and top list of a row are the same bits (−0 and +0 counting
+as equal) in a batch of one as in any batch, whatever the other rows hold and
+whichever optional inputs they need — a row without a logit bias, min_tokens
+or penalties gives the same bits called with none of those tensors as with
+neutral rows of them (bias 0, `min_tokens` 0, repetition penalty 1,
+frequency and presence 0). The spec meets it on one thread: PyTorch may
+split one long row's sum between threads in another order than it sums a
+row of a larger batch, so an engine's batch-invariant mode runs these
+stages on one thread.
 (A little over 500 lines: a fifth of them are these clauses, which are the
 definition a reader comes for; the code below evaluates them.)
 """

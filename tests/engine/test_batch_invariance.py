@@ -9,9 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodespec.reference.batch_invariance import ROW_BLOCK, ROW_STEP, RowBlockLinear, row_blocked
+from decodespec.reference.batch_invariance import (
+    ROW_BLOCK,
+    ROW_STEP,
+    RowBlockLinear,
+    one_thread,
+    row_blocked,
+)
 from decodespec.reference.engine import Engine
 from decodespec.reference.weight_formats import convert_weights, describe
+from decodespec.spec import sampling
+from decodespec.spec.generate import generate
 from decodespec.spec.params import SamplingParams
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
@@ -106,6 +114,7 @@ def test_a_request_has_the_same_bits_alone_and_in_any_batch(
     assert bits(together[position]) == alone
 
 
+@pytest.mark.clause("LOOP-INVARIANT-1", "LOOP-PREFIX-1")
 @pytest.mark.parametrize("backend", ["spec", "torch"])
 @pytest.mark.parametrize("fmt", ["float32", "int4"])
 def test_a_cached_prefix_and_speculation_change_no_bit(models, fmt, backend):
@@ -130,6 +139,39 @@ def test_a_cached_prefix_and_speculation_change_no_bit(models, fmt, backend):
     speculating = run(engine(speculate="ngram", num_draft=3), [prompt], params=greedy)[0]
     assert speculating.draft_tokens > 0
     assert bits(speculating) == bits(plain)
+
+
+@pytest.mark.clause("LOOP-INVARIANT-1")
+@pytest.mark.parametrize("backend", ["spec", "torch"])
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_a_request_in_a_batch_is_the_spec_loop_bit_for_bit(models, fmt, backend):
+    """LOOP-INVARIANT-1: the engine in this mode, running the request beside others
+    that join at other steps, gives every token and logprob the bits of the spec's loop
+    on the request alone with the mode's projections (the engine's own weights: the
+    backend's formats, row-blocked) and one-thread sampling stages: no near-tie
+    ambiguity."""
+    weights = models[fmt]
+    others = [list(b"abcdefghijklmnopqrstuvwxyz" * 2)[:n] for n in (5, 40)]
+    engine = Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True)
+    together = run(engine, [others[0], REQUEST, others[1]], joins=[0, 1, 3])[1]
+    tokenizer = ByteTokenizer()
+    assert all(isinstance(w, RowBlockLinear) for w in (engine.weights.output,
+               *(layer.q_proj for layer in engine.weights.layers)))  # fmt: skip
+    loop = list(
+        generate(
+            engine.weights,  # the backend's weight formats, row-blocked
+            REQUEST,
+            PARAMS,
+            eos_token_ids=tokenizer.eos_token_ids,
+            token_bytes=tokenizer.token_bytes,
+            sample=one_thread(sampling.sample),
+            process_logits=one_thread(sampling.process_logits),
+            compute_logprobs=one_thread(sampling.compute_logprobs),
+        )
+    )
+    expected = [(s.logprobs.token_id, s.logprobs.logprob, s.logprobs.rank, tuple(s.logprobs.top))
+                for s in loop]  # fmt: skip
+    assert bits(together) == expected
 
 
 def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch():
