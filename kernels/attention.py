@@ -16,6 +16,17 @@ cache serves all of them, and `tl.dot` gets the 16 rows it needs even for a
 decode row of a small group. Non-power-of-two groups (SmolLM2: 9 query heads
 over 3 KV heads) and head dims (80, 96) are padded up and masked.
 
+A sequence's tile shape depends on its own `q_len` only (and the group, head
+dim and dtype), never on the batch: on a GPU the shape changes a row's last
+bits (an H200 showed it). Sequences whose rows fit one 16-row tile (decode,
+short speculative verification) get one, in a launch of one program per
+sequence; longer ones (prefill chunks) get 64-row tiles, so each K/V tile
+loaded serves more rows, in a second launch that numbers tiles without a host
+sync: sequence b owns the tiles from `query_start[b] // BLOCK_Q + b`, which
+leaves room for `ceil(q_len_b / BLOCK_Q)` tiles, and a program finds its
+sequence by binary search. Programs exit at once on surplus tiles and on the
+other launch's sequences.
+
 The program walks its sequence's positions `BLOCK_N` at a time. Each
 position's physical row comes from the block table (`block_table[b, j //
 block_size] · block_size + j % block_size`), so any block size works, 1
@@ -25,25 +36,29 @@ reaches the output (ATTN-BOUNDS-1). Scores go through an online softmax in
 float32 (float64 for float64 inputs), base 2 with the scale folded into
 `log2(e)`.
 
-Tiles are numbered without a host sync: sequence b owns the tiles from
-`query_start[b] // BLOCK_Q + b`, a strictly increasing number that leaves
-room for `ceil(q_len_b / BLOCK_Q)` tiles, and a program finds its sequence by
-binary search over `query_start`. Surplus tiles exit at once.
+Split-KV (flash-decoding), batch invariant
+------------------------------------------
+With a long context and few tiles (decode of a small batch), several programs
+may share a tile's positions. How many is a matter of speed alone: a row's
+output and lse are *bitwise* a function of its own sequence (q, keys, values,
+seq_len, q_len), whatever the split count, the other sequences in the call or
+the block table's width (batch invariance, issue 40: a request's tokens must
+not depend on its batch). The plan is FlashInfer's and batch_invariant_ops':
+fixed-size chunks. Positions are cut at fixed boundaries into chunks of
+`KV_CHUNK`; each chunk gets a fresh online softmax, and the chunk states
+(maximum, sum, unnormalised output) are folded in chunk order by one
+function, `_fold`. Unsplit, a program folds its chunks in registers; with
+`num_splits = S`, program s takes chunks s, s + S, ... and writes each one's
+state to a float32 (float64) buffer of `ceil(capacity / KV_CHUNK)` chunks (the
+table's capacity), and a second kernel folds a row's chunks in order with
+`_fold` and finishes as the unsplit path does. An empty chunk folds to the
+same bits, so chunks past a row's limit and the table width do not matter.
+Both kernels run without FMA contraction (`enable_fp_fusion=False`): the
+compiler must not fuse `L·a + l·b` in one kernel and not the other.
+`choose_num_splits` picks the count from the number of programs, the GPU's
+multiprocessor count and the capacity, without reading any device tensor.
 
-Split-KV (flash-decoding)
--------------------------
-With a long context and few tiles (decode of a small batch) one program per
-tile and KV head leaves most of a GPU idle. `num_splits > 1` cuts every
-sequence's positions into that many equal ranges; each range's program writes
-a float32 partial output normalised by its own sum, and its log-sum-exp; a
-second kernel merges them, `out = Σ_s exp(lse_s − lse) · out_s` with `lse =
-log Σ_s exp(lse_s)` (ATTN-LSE-1). Both passes reduce in a fixed order, so a
-result is the same run to run, and the split count changes it only within
-rounding. `choose_num_splits` picks the count from the number of programs,
-the GPU's multiprocessor count and the block table's capacity, without
-reading any device tensor.
-
-Why one file of some 600 lines: it is one operation, read top to bottom —
+Why one file of some 700 lines: it is one operation, read top to bottom —
 the attention kernel, the merge kernel it needs for splits, the split
 planner and the validating wrapper — and a downstream engine vendors it as
 one unit beside `checks.py`. Splitting it would separate a kernel from the
@@ -70,8 +85,9 @@ from .checks import (
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # a global a kernel reads must be a constexpr
-# Split-KV: a split keeps at least this many positions, and there are at most MAX_SPLITS.
-MIN_SPLIT_LEN = 512
+# Split-KV: a sequence's positions fall into chunks [c·KV_CHUNK, (c + 1)·KV_CHUNK), a
+# multiple of every BLOCK_N; the heuristic gives a tile at most MAX_SPLITS programs.
+KV_CHUNK = 512
 MAX_SPLITS = 64
 MAX_FORCED_SPLITS = 256
 
@@ -80,16 +96,49 @@ MAX_FORCED_SPLITS = 256
 
 
 @triton.jit
-def _find_sequence(query_start_ptr, tile, batch, BLOCK_Q: tl.constexpr):
-    """The sequence owning `tile`: the last b with `query_start[b] // BLOCK_Q + b <= tile`."""
-    lo = tile * 0
+def _find_sequence(query_start_ptr, index, batch, BLOCK_Q: tl.constexpr, PER_TILE: tl.constexpr):
+    """The sequence owning tile `index` (PER_TILE: the last b with `query_start[b] //
+    BLOCK_Q + b <= index`) or token `index` (the last b with `query_start[b] <= index`)."""
+    lo = index * 0
     hi = lo + batch
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_ptr + mid).to(tl.int32) // BLOCK_Q + mid
-        lo = tl.where(first_tile <= tile, mid, lo)
-        hi = tl.where(first_tile <= tile, hi, mid)
+        first = tl.load(query_start_ptr + mid).to(tl.int32)
+        if PER_TILE:
+            first = first // BLOCK_Q + mid
+        lo = tl.where(first <= index, mid, lo)
+        hi = tl.where(first <= index, hi, mid)
     return lo
+
+
+@triton.jit
+def _fold(m_run, l_run, acc_run, m_c, l_c, acc_c, EXP2: tl.constexpr):
+    """Fold a chunk's softmax state (maximum in the exponent's base, sum, unnormalised
+    output) into the running one: the one place states meet, so that the unsplit path
+    and the merge kernel round alike. An empty chunk (−inf, 0, 0) changes no bit
+    (a = 1, b = 0); the first chunk into (−inf, 0, 0) gives its own state (a = 0, b = 1)."""
+    m_new = tl.maximum(m_run, m_c)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(−inf − 0) = 0, not NaN
+    if EXP2:
+        a = tl.exp2(m_run - shift)
+        b = tl.exp2(m_c - shift)
+    else:
+        a = tl.exp(m_run - shift)
+        b = tl.exp(m_c - shift)
+    return m_new, l_run * a + l_c * b, acc_run * a[:, None] + acc_c * b[:, None]
+
+
+@triton.jit
+def _finish(m_run, l_run, acc_run, EXP2: tl.constexpr):
+    """A folded state's output and log-sum-exp; rows without keys (ATTN-EMPTY-1,
+    ATTN-LSE-1) give zeros and −inf."""
+    seen = l_run > 0
+    l_safe = tl.where(seen, l_run, 1.0)
+    if EXP2:
+        lse = (m_run + tl.log2(l_safe)) * LN2
+    else:
+        lse = m_run + tl.log(l_safe)
+    return acc_run / l_safe[:, None], tl.where(seen, lse, float("-inf"))
 
 
 @triton.jit
@@ -102,40 +151,46 @@ def _paged_attention_kernel(
     query_start_ptr,
     out_ptr,
     lse_ptr,
+    chunk_m_ptr,
+    chunk_l_ptr,
+    chunk_acc_ptr,
     qk_scale,
     batch,
     block_size,
+    num_q_heads,
     head_dim,
-    split_len,
+    num_splits,
+    short_q_len,
     q_stride_token,
     q_stride_head,
     cache_stride_slot,
     block_table_stride,
-    out_stride_split,
-    out_stride_token,
-    out_stride_head,
-    lse_stride_split,
-    lse_stride_token,
+    chunk_stride,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_CHUNK: tl.constexpr,
     COMPUTE: tl.constexpr,
     EXP2: tl.constexpr,
     FMA_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    SPLIT: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_sequence(query_start_ptr, tile, batch, BLOCK_Q)
+    # The launch of short sequences (ONE_TILE): tile b is sequence b's only tile.
+    seq = tile if ONE_TILE else _find_sequence(query_start_ptr, tile, batch, BLOCK_Q, True)
     q_start = tl.load(query_start_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    first_row = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if first_row >= q_len:  # a surplus tile of this sequence
+    first_row = tile * 0 if ONE_TILE else (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    # A sequence the other launch owns (_launches), or a surplus tile of this one.
+    if ((q_len > BLOCK_Q) if ONE_TILE else (q_len <= short_q_len)) | (first_row >= q_len):
         return
 
     # Matrix row m is query row `first_row + m // GROUP` of the sequence, head `m % GROUP`
@@ -145,6 +200,7 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + m % GROUP
     row_valid = (m < BLOCK_Q * GROUP) & (row < q_len)
     token = (q_start + row).to(tl.int64)
+    out_row = token * num_q_heads + head  # in out, lse and each chunk's slice of the buffers
     position = seq_len - q_len + row  # ATTN-CAUSAL-1: the row sees positions <= this
     d = tl.arange(0, BLOCK_D)
     d_valid = d < head_dim
@@ -156,126 +212,144 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(COMPUTE)
 
-    # The positions this program reads: its split's share of those the tile's last row sees.
+    # The positions the tile's last row sees, in chunks at fixed boundaries: this program
+    # takes chunks split, split + num_splits, ... (every one when not split).
     kv_end = tl.maximum(seq_len - q_len + tl.minimum(first_row + BLOCK_Q, q_len), 0)
-    kv_start = split * split_len
-    kv_stop = tl.minimum(kv_start + split_len, kv_end)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), COMPUTE)
-    l_i = tl.zeros([BLOCK_M], COMPUTE)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], COMPUTE)
     table_row = block_table_ptr + seq.to(tl.int64) * block_table_stride
     head_offset = kv_head * head_dim
-    for start in range(kv_start, kv_stop, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_valid = n < kv_stop
-        # Only the table entries of positions < seq_len are read (ATTN-BOUNDS-1); 64-bit
-        # because slot · row size passes 2^31 in a large cache.
-        block = tl.load(table_row + n // block_size, mask=n_valid, other=0).to(tl.int64)
-        row_offset = (block * block_size + n % block_size) * cache_stride_slot + head_offset
-        k = tl.load(  # [BLOCK_D, BLOCK_N]: K transposed
-            k_cache_ptr + row_offset[None, :] + d[:, None],
-            mask=d_valid[:, None] & n_valid[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_cache_ptr + row_offset[:, None] + d[None, :],
-            mask=n_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(COMPUTE)
-            v = v.to(COMPUTE)
-        if FMA_DOT:  # float64: products and sums on the FMA units
-            scores = tl.sum(q[:, :, None] * k[None, :, :], axis=1)
-        else:
-            scores = tl.dot(q, k, input_precision="ieee")
-        visible = (n[None, :] <= position[:, None]) & n_valid[None, :]
-        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    m_run = tl.full([BLOCK_M], float("-inf"), COMPUTE)
+    l_run = tl.zeros([BLOCK_M], COMPUTE)
+    acc_run = tl.zeros([BLOCK_M, BLOCK_D], COMPUTE)
+    for c in range(split, tl.cdiv(kv_end, KV_CHUNK), num_splits):
+        # Each chunk starts a fresh online softmax: its state depends on its keys only.
+        m_i = tl.full([BLOCK_M], float("-inf"), COMPUTE)
+        l_i = tl.zeros([BLOCK_M], COMPUTE)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], COMPUTE)
+        chunk_stop = tl.minimum((c + 1) * KV_CHUNK, kv_end)
+        for start in range(c * KV_CHUNK, chunk_stop, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_valid = n < chunk_stop
+            # Only the table entries of positions < seq_len are read (ATTN-BOUNDS-1);
+            # 64-bit because slot · row size passes 2^31 in a large cache.
+            block = tl.load(table_row + n // block_size, mask=n_valid, other=0).to(tl.int64)
+            row_offset = (block * block_size + n % block_size) * cache_stride_slot + head_offset
+            k = tl.load(  # [BLOCK_D, BLOCK_N]: K transposed
+                k_cache_ptr + row_offset[None, :] + d[:, None],
+                mask=d_valid[:, None] & n_valid[None, :],
+                other=0.0,
+            )
+            v = tl.load(
+                v_cache_ptr + row_offset[:, None] + d[None, :],
+                mask=n_valid[:, None] & d_valid[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                k = k.to(COMPUTE)
+                v = v.to(COMPUTE)
+            if FMA_DOT:  # float64: products and sums on the FMA units
+                scores = tl.sum(q[:, :, None] * k[None, :, :], axis=1)
+            else:
+                scores = tl.dot(q, k, input_precision="ieee")
+            visible = (n[None, :] <= position[:, None]) & n_valid[None, :]
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
 
-        # Online softmax: rescale what came before to the new running maximum. A row
-        # that has seen nothing yet keeps maximum −inf; shift by 0 so exp gives 0, not NaN.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if EXP2:
-            alpha = tl.exp2(m_i - m_shift)
-            p = tl.exp2(scores - m_shift[:, None])
+            # Online softmax: rescale what came before to the new running maximum. A row
+            # that has seen nothing yet keeps maximum −inf; shift by 0 so exp gives 0,
+            # not NaN. A step past a row's limit leaves its state unchanged (alpha = 1).
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if EXP2:
+                alpha = tl.exp2(m_i - m_shift)
+                p = tl.exp2(scores - m_shift[:, None])
+            else:
+                alpha = tl.exp(m_i - m_shift)
+                p = tl.exp(scores - m_shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if FMA_DOT:
+                weighted = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            else:
+                weighted = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + weighted
+            m_i = m_new
+        if SPLIT:  # the chunk's own state: the merge kernel folds the chunks in order
+            chunk = tl.cast(c, tl.int64) * chunk_stride + out_row
+            tl.store(chunk_m_ptr + chunk, m_i, mask=row_valid)
+            tl.store(chunk_l_ptr + chunk, l_i, mask=row_valid)
+            tl.store(
+                chunk_acc_ptr + chunk[:, None] * head_dim + d[None, :],
+                acc,
+                mask=row_valid[:, None] & d_valid[None, :],
+            )
         else:
-            alpha = tl.exp(m_i - m_shift)
-            p = tl.exp(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FMA_DOT:
-            weighted = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        else:
-            weighted = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        acc = acc * alpha[:, None] + weighted
-        m_i = m_new
+            m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m_i, l_i, acc, EXP2)
 
-    # Rows without keys (ATTN-EMPTY-1, or a split past the row's limit): zeros and −inf.
-    seen = l_i > 0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    out_offset = (
-        split.to(tl.int64) * out_stride_split
-        + token[:, None] * out_stride_token
-        + head[:, None] * out_stride_head
-        + d[None, :]
-    )
-    tl.store(
-        out_ptr + out_offset,
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & d_valid[None, :],
-    )
-    if STORE_LSE:
-        if EXP2:
-            lse = (m_i + tl.log2(l_safe)) * LN2
-        else:
-            lse = m_i + tl.log(l_safe)
-        lse = tl.where(seen, lse, float("-inf"))
-        lse_offset = split.to(tl.int64) * lse_stride_split + token * lse_stride_token + head
-        tl.store(lse_ptr + lse_offset, lse.to(lse_ptr.dtype.element_ty), mask=row_valid)
+    if not SPLIT:
+        out, lse = _finish(m_run, l_run, acc_run, EXP2)
+        tl.store(
+            out_ptr + out_row[:, None] * head_dim + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
+        )
+        if STORE_LSE:
+            tl.store(lse_ptr + out_row, lse.to(lse_ptr.dtype.element_ty), mask=row_valid)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr,
-    part_lse_ptr,
+    chunk_m_ptr,
+    chunk_l_ptr,
+    chunk_acc_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
     out_ptr,
     lse_ptr,
-    num_splits,
+    batch,
+    num_q_heads,
     head_dim,
-    part_out_stride_split,
-    part_lse_stride_split,
-    BLOCK_S: tl.constexpr,
+    chunk_stride,
+    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_CHUNK: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    EXP2: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
-    # One program per (token, head), flattened: partial tensors are contiguous
-    # [num_splits, num_tokens, num_q_heads, (head_dim)], the outputs
+    # One program per token and BLOCK_H of its heads. Chunk buffers are contiguous
+    # [num_chunks, num_tokens, num_q_heads, (head_dim)], the outputs
     # [num_tokens, num_q_heads, (head_dim)].
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    s_valid = s < num_splits
+    token = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_valid = h < num_q_heads
     d = tl.arange(0, BLOCK_D)
     d_valid = d < head_dim
-    part_lse = tl.load(
-        part_lse_ptr + s * part_lse_stride_split + row, mask=s_valid, other=float("-inf")
+    seq = _find_sequence(query_start_ptr, token, batch, 1, False)
+    q_end = tl.load(query_start_ptr + seq + 1).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    # The chunks this row sees (its position is seq_len − q_len + row), all written by
+    # the attention kernel, folded in order as the unsplit path folds them.
+    num_chunks = tl.cdiv(tl.maximum(seq_len - q_end + token + 1, 0), KV_CHUNK)
+    out_row = token.to(tl.int64) * num_q_heads + h
+    m_run = tl.full([BLOCK_H], float("-inf"), COMPUTE)
+    l_run = tl.zeros([BLOCK_H], COMPUTE)
+    acc_run = tl.zeros([BLOCK_H, BLOCK_D], COMPUTE)
+    for c in range(0, num_chunks):
+        chunk = tl.cast(c, tl.int64) * chunk_stride + out_row
+        m_c = tl.load(chunk_m_ptr + chunk, mask=h_valid, other=float("-inf"))
+        l_c = tl.load(chunk_l_ptr + chunk, mask=h_valid, other=0.0)
+        acc_c = tl.load(
+            chunk_acc_ptr + chunk[:, None] * head_dim + d[None, :],
+            mask=h_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m_c, l_c, acc_c, EXP2)
+    out, lse = _finish(m_run, l_run, acc_run, EXP2)
+    tl.store(
+        out_ptr + out_row[:, None] * head_dim + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=h_valid[:, None] & d_valid[None, :],
     )
-    top = tl.max(part_lse, 0)
-    top_shift = tl.where(top == float("-inf"), 0.0, top)
-    weight = tl.exp(part_lse - top_shift)  # 0 for splits that saw no key
-    total = tl.sum(weight, 0)
-    part_out = tl.load(
-        part_out_ptr + s[:, None] * part_out_stride_split + row * head_dim + d[None, :],
-        mask=s_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )
-    total_safe = tl.where(total > 0, total, 1.0)
-    out = tl.sum(weight[:, None] * part_out, 0) / total_safe
-    tl.store(out_ptr + row * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
     if STORE_LSE:
-        lse = tl.where(total > 0, top + tl.log(total_safe), float("-inf"))
-        tl.store(lse_ptr + row, lse.to(lse_ptr.dtype.element_ty))
+        tl.store(lse_ptr + out_row, lse.to(lse_ptr.dtype.element_ty), mask=h_valid)
 
 
 # ---------------------------------------------------------------- launch configuration
@@ -288,15 +362,8 @@ def _multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tile_shape(num_tokens: int, batch: int, group: int, head_dim: int, fp64: bool) -> dict:
-    """Block sizes for a launch, from shapes only (no device tensor is read).
-
-    A batch of decode rows (no more tokens than sequences) gets 16-row tiles:
-    one row and its group, or a few rows for small groups. Batches with longer
-    query runs (prefill chunks) get 64-row tiles, so each K/V tile loaded serves
-    more rows.
-    """
-    rows = 16 if (num_tokens <= batch or fp64) else 64
+def _tile_shape(rows: int, group: int, head_dim: int, fp64: bool) -> dict:
+    """Block sizes of tiles of about `rows` matrix rows: `rows // group` query rows."""
     block_q = max(1, rows // group)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if fp64:  # the FMA path holds a [BLOCK_M, BLOCK_D, BLOCK_N] product
@@ -305,6 +372,7 @@ def _tile_shape(num_tokens: int, batch: int, group: int, head_dim: int, fp64: bo
         block_n = 64
     else:
         block_n = 64 if block_d <= 128 else 32
+    assert KV_CHUNK % block_n == 0  # a chunk is walked in whole steps
     return {
         "BLOCK_Q": block_q,
         "BLOCK_M": max(16, triton.next_power_of_2(block_q * group)),
@@ -313,10 +381,25 @@ def _tile_shape(num_tokens: int, batch: int, group: int, head_dim: int, fp64: bo
     }
 
 
+def _launches(num_tokens: int, batch: int, group: int, head_dim: int, fp64: bool) -> list:
+    """The attention kernel's launches, (block sizes, tiles, ONE_TILE, short_q_len) each:
+    16-row tiles for sequences of q_len <= short_q_len, one each; 64-row tiles (16 for
+    float64) for the others, numbered per sequence (module docstring)."""
+    short = _tile_shape(16, group, head_dim, fp64)
+    launches = [(short, batch, True, 0)]
+    if num_tokens > short["BLOCK_Q"]:  # some sequence may be longer
+        long = _tile_shape(16 if fp64 else 64, group, head_dim, fp64)
+        launches.append((long, num_tokens // long["BLOCK_Q"] + batch, False, short["BLOCK_Q"]))
+    return launches
+
+
 def choose_num_splits(
     num_tiles: int, num_kv_heads: int, capacity: int, device: torch.device
 ) -> int:
-    """How many ranges to cut each sequence's positions into (split-KV).
+    """How many programs share each tile's chunks of positions (split-KV): speed only.
+
+    The split count never changes a bit of the result (the module docstring's
+    Split-KV section): this heuristic is free to choose from the batch.
 
     Args:
         num_tiles: programs per KV head and split (query tiles).
@@ -328,28 +411,26 @@ def choose_num_splits(
     Returns:
         1 when the tiles alone give the GPU about four programs per
         multiprocessor or the sequences are short; otherwise enough splits to
-        get there, each at least MIN_SPLIT_LEN positions long, at most MAX_SPLITS.
+        get there, at most one per KV_CHUNK chunk of the capacity and at most
+        MAX_SPLITS.
     """
     programs = num_tiles * num_kv_heads
     target = 4 * _multiprocessor_count(device)
     if programs >= target:
         return 1
-    return max(1, min(-(-target // programs), capacity // MIN_SPLIT_LEN, MAX_SPLITS))
-
-
-def _launch_tiles(q: Tensor, k_cache: Tensor, seq_lens: Tensor) -> tuple[dict, int]:
-    """A launch's block sizes and its number of query tiles (per KV head and split)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    group = num_q_heads // k_cache.shape[2]
-    batch = seq_lens.shape[0]
-    tiles = _tile_shape(num_tokens, batch, group, head_dim, q.dtype == torch.float64)
-    return tiles, num_tokens // tiles["BLOCK_Q"] + batch
+    return max(1, min(-(-target // programs), -(-capacity // KV_CHUNK), MAX_SPLITS))
 
 
 def default_num_splits(q: Tensor, k_cache: Tensor, block_table: Tensor, seq_lens: Tensor) -> int:
-    """The split count `paged_attention` uses for these arguments when `num_splits` is None."""
-    _, num_tiles = _launch_tiles(q, k_cache, seq_lens)
+    """The split count `paged_attention` uses for these arguments when `num_splits` is None
+    (a matter of speed: any count gives the same bits)."""
+    num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    group, fp64 = num_q_heads // num_kv_heads, q.dtype == torch.float64
+    long = _launches(num_tokens, batch, group, head_dim, fp64)[-1][0]
+    # Query tiles: at least as many as have work, in all launches together.
+    num_tiles = num_tokens // long["BLOCK_Q"] + batch
     return choose_num_splits(num_tiles, num_kv_heads, block_table.shape[1] * block_size, q.device)
 
 
@@ -500,9 +581,10 @@ def paged_attention(
             `seq_lens` and `query_start`). Unchecked bad arguments are
             undefined behaviour: check once per batch layout, pass False for
             the other layers.
-        num_splits: split-KV ranges per sequence; None lets
-            `choose_num_splits` decide. The result depends on it only within
-            rounding.
+        num_splits: programs sharing each tile's KV chunks (split-KV); None
+            lets `choose_num_splits` decide. A matter of speed only: every
+            count gives the same bits, and so does every batch a sequence is
+            in (issue 40; the module docstring's Split-KV section).
 
     Returns:
         `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; with
@@ -551,68 +633,80 @@ def paged_attention(
         q, qk_scale = q * scale, 1.0
     else:
         q, qk_scale = (q if q.stride(-1) == 1 else q.contiguous()), scale * LOG2E
-    tiles, num_tiles = _launch_tiles(q, k_cache, seq_lens)
-    capacity = block_table.shape[1] * block_size
+    launches = _launches(num_tokens, batch, group, head_dim, fp64)
     if num_splits is None:
         num_splits = default_num_splits(q, k_cache, block_table, seq_lens)
-    split_len = max(1, -(-capacity // num_splits))
-
-    if num_splits == 1:
-        target_out, target_lse = out, lse
-    else:
-        target_out = torch.empty(
-            num_splits, num_tokens, num_q_heads, head_dim, dtype=compute, device=q.device
-        )
-        target_lse = torch.empty(
-            num_splits, num_tokens, num_q_heads, dtype=compute, device=q.device
-        )
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start,
-        target_out,
-        target_lse,
-        qk_scale,
-        batch,
-        block_size,
-        head_dim,
-        split_len,
-        q.stride(0),
-        q.stride(1),
-        num_kv_heads * head_dim,
-        block_table.stride(0),
-        target_out.stride(0) if num_splits > 1 else 0,
-        target_out.stride(-3),
-        target_out.stride(-2),
-        target_lse.stride(0) if num_splits > 1 else 0,
-        target_lse.stride(-2),
-        GROUP=group,
-        COMPUTE=tl.float64 if fp64 else tl.float32,
-        EXP2=not fp64,
-        FMA_DOT=fp64,
-        # The interpreter computes float16/bfloat16 arithmetic and dots wrongly.
-        UPCAST=INTERPRET and q.dtype in (torch.float16, torch.bfloat16),
-        STORE_LSE=return_lse or num_splits > 1,
-        num_warps=4,
-        num_stages=2,
-        **tiles,
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_tokens * num_q_heads,)](
-            target_out,
-            target_lse,
+    split = num_splits > 1
+    # Split: each chunk's state, for every chunk the table could hold (no device read).
+    num_chunks = -(-block_table.shape[1] * block_size // KV_CHUNK) if split else 0
+    chunk_m = torch.empty(num_chunks, num_tokens, num_q_heads, dtype=compute, device=q.device)
+    chunk_l = torch.empty_like(chunk_m)
+    chunk_acc = torch.empty(*chunk_m.shape, head_dim, dtype=compute, device=q.device)
+    chunk_stride = num_tokens * num_q_heads
+    COMPUTE = tl.float64 if fp64 else tl.float32
+    # No FMA contraction: `L·a + l·b` must round the same in both kernels (_fold).
+    for tiles, num_tiles, one_tile, short_q_len in launches:
+        _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            query_start,
             out,
             lse,
-            num_splits,
+            chunk_m,
+            chunk_l,
+            chunk_acc,
+            qk_scale,
+            batch,
+            block_size,
+            num_q_heads,
             head_dim,
-            target_out.stride(0),
-            target_lse.stride(0),
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            num_splits,
+            short_q_len,
+            q.stride(0),
+            q.stride(1),
+            num_kv_heads * head_dim,
+            block_table.stride(0),
+            chunk_stride,
+            GROUP=group,
+            KV_CHUNK=KV_CHUNK,
+            COMPUTE=COMPUTE,
+            EXP2=not fp64,
+            FMA_DOT=fp64,
+            # The interpreter computes float16/bfloat16 arithmetic and dots wrongly.
+            UPCAST=INTERPRET and q.dtype in (torch.float16, torch.bfloat16),
+            ONE_TILE=one_tile,
+            SPLIT=split,
             STORE_LSE=return_lse,
             num_warps=4,
+            num_stages=2,
+            enable_fp_fusion=False,
+            **tiles,
+        )
+    if split:
+        block_d = triton.next_power_of_2(head_dim)
+        block_h = min(triton.next_power_of_2(num_q_heads), max(1, 2048 // block_d))
+        _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
+            chunk_m,
+            chunk_l,
+            chunk_acc,
+            seq_lens,
+            query_start,
+            out,
+            lse,
+            batch,
+            num_q_heads,
+            head_dim,
+            chunk_stride,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            KV_CHUNK=KV_CHUNK,
+            COMPUTE=COMPUTE,
+            EXP2=not fp64,
+            STORE_LSE=return_lse,
+            num_warps=4,
+            enable_fp_fusion=False,
         )
     return (out, lse) if return_lse else out

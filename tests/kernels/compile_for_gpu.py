@@ -101,7 +101,8 @@ def intercept_launches() -> list[dict]:
 
 
 def attention_calls() -> None:
-    """The configurations the attention wrapper can choose."""
+    """The configurations the attention wrapper can choose (a batch with a prefill chunk
+    launches both tile shapes: 16-row tiles for short sequences, 64-row for the others)."""
     cases = [
         # (shapes, kv heads, group, head dim, block size, dtype, index dtype, splits)
         ([(40, 1), (9, 1)], 8, 4, 128, 16, torch.bfloat16, torch.int32, None),  # decode
