@@ -1,5 +1,7 @@
 """The Determinism page's measured sections, from `results/determinism*.json`
-(`make bench-determinism`, `tests/benchmarks/determinism.py`)."""
+(`make bench-determinism`, `tests/benchmarks/determinism.py`), and its matrix of
+which implementations, ours and the peers', meet the batch-invariance clauses,
+from `results/peers.json` (`make peers`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 FILES = ("determinism-cpu.json", "determinism-invariant-cpu.json", "determinism-int4-cpu.json")
 TABLE_MARKER = "{{ determinism_table }}"
 COST_MARKER = "{{ determinism_cost }}"
+MATRIX_MARKER = "{{ invariance_matrix }}"
+# The clauses the conformance suite's invariance checker tests
+# (tests/conformance/test_batch_invariance.py, and verification's batch test).
+INVARIANCE_CLAUSES = ("ATTN-INVARIANT-1", "SAMPLE-INVARIANT-1", "VERIFY-OUTPUT-1")
+SYMBOLS = {"pass": "✅ pass", "fail": "❌ fail", "xfail": "❌ differs"}
 
 
 def load(results_dir: Path = ROOT / "results") -> list[dict]:
@@ -61,6 +68,45 @@ def cost_table(runs: list[dict]) -> str:
     )
 
 
+def _cell(entry: dict | None) -> str:
+    if entry is None:
+        return "not run"
+    status = entry["status"]
+    if status in SYMBOLS:
+        why = entry.get("why")
+        return SYMBOLS[status] + (f": {why}" if why and status != "pass" else "")
+    return "—"  # skipped: the implementation has no such operation or feature
+
+
+def invariance_matrix(matrix: dict | None) -> str:
+    """Per implementation, ours first, its status on each batch-invariance clause."""
+    columns = {**(matrix or {}).get("ours", {}), **(matrix or {}).get("peers", {})}
+    rows = [(name, column["clauses"]) for name, column in columns.items() if column.get("ran")]
+    if not rows:
+        return "Not run yet: `make peers`."
+    lines = [
+        "| implementation | " + " | ".join(INVARIANCE_CLAUSES) + " |",
+        "|---" * (len(INVARIANCE_CLAUSES) + 1) + "|",
+    ]
+    for name, clauses in rows:
+        statuses = " | ".join(_cell(clauses.get(c)) for c in INVARIANCE_CLAUSES)
+        lines.append(f"| {name} | {statuses} |")
+    return "\n".join(lines) + (
+        "\n\n*— : the implementation has no such operation (or feature); not run: "
+        "the invariance tests did not reach this clause. From `results/peers.json` "
+        "(`make peers`).*"
+    )
+
+
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def fill(markdown: str, results_dir: Path = ROOT / "results") -> str:
     runs = load(results_dir)
-    return markdown.replace(TABLE_MARKER, phases_table(runs)).replace(COST_MARKER, cost_table(runs))
+    matrix = invariance_matrix(_json(results_dir / "peers.json"))
+    return (
+        markdown.replace(TABLE_MARKER, phases_table(runs))
+        .replace(COST_MARKER, cost_table(runs))
+        .replace(MATRIX_MARKER, matrix)
+    )

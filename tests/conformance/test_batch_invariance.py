@@ -10,7 +10,7 @@ and the batch it was computed in.
 
 - ATTN-INVARIANT-1: a sequence alone (its own block-table row, a table only
   as wide as it needs) against the same sequence in a batch of decode rows,
-  prefill chunks, idle, empty and padding sequences with a wider table.
+  prefill chunks and idle sequences with a wider table.
 - SAMPLE-INVARIANT-1: `process_logits`, `sample` and `compute_logprobs`
   of a row alone (without the processor tensors it does not need) against
   the row in a batch whose other rows use logit bias, min_tokens and
@@ -29,15 +29,16 @@ from tests.conformance.test_attention import (
     GROUPS,
     HEAD_DIMS,
     INDEX_DTYPES,
+    KEYLESS,
     MAX_KV_HEADS,
     MAX_SEQS,
+    SEQUENCE_KINDS,
     build_case,
     call_attention,
     require_dtype,
     sequence_shapes,
 )
-from tests.conformance.test_sampling import add_processor_args
-from tests.strategies import DEVICE, FLOAT_DTYPES, logits, sampling_args
+from tests.strategies import DEVICE, FLOAT_DTYPES, logits, per_row, sampling_args
 
 # ---------------------------------------------------------------- attention
 
@@ -65,7 +66,9 @@ def sequence_alone(case, b: int) -> tuple[tuple[torch.Tensor, ...], int, int]:
 @given(data=st.data())
 def test_a_sequence_has_the_same_bits_alone_and_in_any_batch(impl, dtype, data):
     require_dtype(impl, dtype)
-    shapes = data.draw(st.lists(sequence_shapes(), min_size=2, max_size=MAX_SEQS + 2))
+    # Sequences with keys: one without is ATTN-EMPTY-1's case, alone or not.
+    kinds = tuple(kind for kind in SEQUENCE_KINDS if kind not in KEYLESS)
+    shapes = data.draw(st.lists(sequence_shapes(kinds), min_size=2, max_size=MAX_SEQS + 2))
     case = build_case(
         shapes,
         num_kv_heads=data.draw(st.integers(1, MAX_KV_HEADS)),
@@ -99,39 +102,50 @@ def test_a_sequence_has_the_same_bits_alone_and_in_any_batch(impl, dtype, data):
 
 # ---------------------------------------------------------------- sampling stages
 
-# Processor tensors and, for each group, the values that leave a row unchanged.
-NEUTRAL_ROWS = {
-    "logit_bias": ({"logit_bias": 0.0}, ("logit_bias",)),
-    "min_tokens": ({"min_tokens": 0}, ("stop_token_mask", "min_tokens")),
-    "prompt_mask": (
-        {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0},
-        (
-            "prompt_mask",
-            "output_counts",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-        ),
-    ),
-}
+
+def processor_rows(impl, data, args: dict, batch: int, vocab: int) -> list[set[str]]:
+    """Draw into `args` each processor group the implementation supports, on for some
+    rows and neutral (bias 0, min_tokens 0, penalties 1 / 0 / 0) for the others; for
+    each row, the tensors it can be called without alone."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1)))
+    droppable: list[set[str]] = [set() for _ in range(batch)]
+
+    def neutral_rows(names: tuple[str, ...]) -> torch.Tensor:
+        rows = torch.tensor(data.draw(st.lists(st.booleans(), min_size=batch, max_size=batch)))
+        for row in rows.nonzero().flatten().tolist():
+            droppable[row].update(names)
+        return rows.to(DEVICE)
+
+    if impl.supports("logit_bias") and data.draw(st.booleans()):
+        bias = (torch.rand(batch, vocab, generator=g) * 20 - 10).to(DEVICE)
+        args["logit_bias"] = bias * ~neutral_rows(("logit_bias",))[:, None]
+    if impl.supports("min_tokens") and data.draw(st.booleans()):
+        args["stop_token_mask"] = (torch.rand(batch, vocab, generator=g) < 0.1).to(DEVICE)
+        min_tokens = per_row(data.draw, batch, st.integers(1, 3), torch.int64)
+        args["min_tokens"] = min_tokens * ~neutral_rows(("stop_token_mask", "min_tokens"))
+        args["step"] = per_row(data.draw, batch, st.integers(0, 4), torch.int64)
+    if impl.supports("penalties") and data.draw(st.booleans()):
+        penalties = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        args["prompt_mask"] = (torch.rand(batch, vocab, generator=g) < 0.3).to(DEVICE)
+        args["output_counts"] = torch.randint(0, 3, (batch, vocab), generator=g).to(DEVICE)
+        args["output_counts"] = args["output_counts"].to(torch.int32)
+        neutral = neutral_rows(("prompt_mask", "output_counts", *penalties))
+        for name, values, identity in zip(
+            penalties,
+            (st.floats(0.5, 2.0), st.floats(-2, 2), st.floats(-2, 2)),
+            (1.0, 0.0, 0.0),
+            strict=True,
+        ):
+            drawn = per_row(data.draw, batch, values, torch.float32)
+            args[name] = torch.where(neutral, identity, drawn)
+    return droppable
 
 
 def mixed_batch(impl, data, x: torch.Tensor) -> tuple[dict, list[set[str]]]:
-    """Per-row arguments where each processor group is on for some rows and neutral for
-    the others, and for each row the tensors it can be called without alone."""
+    """Sampling arguments, greedy and sampled rows mixed, and processor rows."""
     batch, vocab = x.shape
     args = data.draw(sampling_args(batch, vocab))
-    add_processor_args(impl, data, args, batch, vocab)
-    droppable: list[set[str]] = [set() for _ in range(batch)]
-    for group, (neutral, names) in NEUTRAL_ROWS.items():
-        if group not in args:
-            continue
-        for row in range(batch):
-            if data.draw(st.booleans(), label=f"{group} neutral in row {row}"):
-                for name, value in neutral.items():
-                    args[name][row] = value
-                droppable[row].update(names)
-    return args, droppable
+    return args, processor_rows(impl, data, args, batch, vocab)
 
 
 def row_alone(args: dict, row: int, drop: set[str]) -> dict:
@@ -139,11 +153,12 @@ def row_alone(args: dict, row: int, drop: set[str]) -> dict:
 
 
 def call_or_reject(function, *args, **kwargs):
-    """The call's result, or None when its rows are invalid (SAMPLE-VALID-1): those
-    raise for the row alone and in the batch alike, which other tests check."""
+    """The call's result, or None when its rows are invalid (SAMPLE-VALID-1: they raise
+    alone and in the batch alike, which other tests check) or the implementation has no
+    such processor value (NotImplementedError: a peer's gap, which other tests record)."""
     try:
         return function(*args, **kwargs)
-    except ValueError:
+    except (ValueError, NotImplementedError):
         return None
 
 

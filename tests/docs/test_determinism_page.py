@@ -42,3 +42,38 @@ def test_each_committed_run_is_a_row_per_phase(tmp_path):
 def test_without_results_the_page_says_how_to_measure(tmp_path):
     filled = determinism.fill(PAGE, tmp_path)
     assert "Not measured yet: run `make bench-determinism`" in filled
+
+
+def test_the_invariance_matrix_has_ours_first_and_each_peer_that_ran(tmp_path):
+    assert determinism.MATRIX_MARKER in PAGE
+    matrix = {
+        "ours": {
+            "decodespec kernels": {
+                "ran": True,
+                "clauses": {
+                    "ATTN-INVARIANT-1": {"status": "pass"},
+                    "SAMPLE-INVARIANT-1": {"status": "fail", "why": "row 0 differs"},
+                },
+            }
+        },
+        "peers": {
+            "flex": {
+                "ran": True,
+                "clauses": {
+                    "ATTN-INVARIANT-1": {"status": "xfail", "why": "pads the batch"},
+                    "SAMPLE-INVARIANT-1": {"status": "skip", "why": "no operation sample"},
+                },
+            },
+            "gpu only": {"ran": False, "clauses": {}},
+        },
+    }
+    (tmp_path / "peers.json").write_text(json.dumps(matrix))
+    filled = determinism.fill(PAGE, tmp_path)
+    assert "| decodespec kernels | ✅ pass | ❌ fail: row 0 differs | not run |" in filled
+    assert "| flex | ❌ differs: pads the batch | — | not run |" in filled
+    assert filled.index("decodespec kernels") < filled.index("| flex |")
+    assert "gpu only" not in filled
+
+
+def test_without_a_matrix_the_page_says_how_to_make_it(tmp_path):
+    assert "Not run yet: `make peers`." in determinism.fill(PAGE, tmp_path)

@@ -13,6 +13,12 @@ tokens, decode tokens/s of both). When llama.cpp runs, the matrix also
 carries `mask_order`: llama.cpp's grammar sampler against xgrammar's bitmask
 on real grammars, and the tokens mask-first (the spec) and llama.cpp's
 chain-first sampling can return (tests/peers/mask_order.py).
+
+`ours` holds the batch-invariance checker (tests/conformance/test_batch_invariance.py)
+run the same way on our own implementations: the kernels, the spec's operations
+and the engine's torch-backend attention (their whole suite is `make
+docs-report`'s), so the matrix says which of ours and the peers' operations
+compute a row the same way whatever its batch.
 """
 
 from __future__ import annotations
@@ -75,6 +81,19 @@ PEERS = (
 )
 
 
+# Our implementations, through the invariance checker only.
+OURS = (
+    Peer("decodespec kernels", "decodespec.kernels", "decodespec"),
+    Peer("decodespec spec", "tests.peers.decodespec_spec", "decodespec"),
+    Peer("decodespec torch backend", "tests.peers.decodespec_torch", "decodespec"),
+)
+INVARIANCE_TESTS = (
+    "tests/conformance/test_batch_invariance.py",
+    "tests/conformance/test_speculative.py::test_rows_do_not_depend_on_their_batch",
+)
+SUITE = ("tests/conformance",)
+
+
 def unavailable(peer: Peer) -> str | None:
     """Why this machine cannot run `peer`, or None."""
     try:
@@ -102,13 +121,14 @@ def peer_info(peer: Peer) -> dict:
     return info
 
 
-def run_suite(peer: Peer, report: Path) -> tuple[int, float]:
-    """The conformance suite against `peer`; its exit status and wall time."""
+def run_suite(peer: Peer, report: Path, tests: tuple[str, ...] = SUITE) -> tuple[int, float]:
+    """The conformance suite (or the `tests` named) against `peer`; its exit status and
+    wall time."""
     command = [
         sys.executable,
         "-m",
         "pytest",
-        "tests/conformance",
+        *tests,
         "--impl",
         peer.module,
         "--report",
@@ -168,7 +188,7 @@ def cell(clause_id: str, tests: list[dict], module: str, name: str) -> dict:
     return {"status": "skip", "why": "; ".join(dict.fromkeys(r for r in reasons if r))}
 
 
-def column(peer: Peer) -> dict:
+def column(peer: Peer, tests: tuple[str, ...] = SUITE) -> dict:
     """Run `peer` (or say why not) and return its column of the matrix."""
     info = {"module": peer.module, "engine": peer.engine, **peer_info(peer)}
     reason = unavailable(peer)
@@ -176,7 +196,7 @@ def column(peer: Peer) -> dict:
         return {**info, "ran": False, "why": reason, "clauses": {}}
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "report.json"
-        status, seconds = run_suite(peer, path)
+        status, seconds = run_suite(peer, path, tests)
         if not path.exists():
             return {**info, "ran": False, "why": f"pytest exited {status}", "clauses": {}}
         report = json.loads(path.read_text())
@@ -195,7 +215,7 @@ def column(peer: Peer) -> dict:
         "counts": counts,
         "clauses": clauses,
     }
-    if peer.name == "llama.cpp":
+    if peer.name == "llama.cpp" and tests == SUITE:
         from tests.peers.llama_cpp_loop import compare_loop
 
         result["loop"] = compare_loop()
@@ -228,11 +248,13 @@ def _hypothesis_profiles() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hypothesis"]
 
 
-def matrix(peers: tuple[Peer, ...] = PEERS) -> dict:
-    """Every peer's column, with the machine and the clause texts."""
+def matrix(peers: tuple[Peer, ...] = PEERS, ours: tuple[Peer, ...] = OURS) -> dict:
+    """Every peer's column, ours through the invariance checker, with the machine and the
+    clause texts."""
     from decodespec.spec import registry
 
     columns = {peer.name: column(peer) for peer in peers}
+    our_columns = {peer.name: column(peer, INVARIANCE_TESTS) for peer in ours}
     result = {
         "command": "make peers",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -251,6 +273,7 @@ def matrix(peers: tuple[Peer, ...] = PEERS) -> dict:
             if any(clause.id in column["clauses"] for column in columns.values())
         },
         "peers": columns,
+        "ours": our_columns,
     }
     if columns.get("llama.cpp", {}).get("ran"):
         from tests.peers.mask_order import compare
@@ -265,16 +288,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="peer names to run (default: all)")
     args = parser.parse_args(argv)
     peers = tuple(p for p in PEERS if not args.only or p.name in args.only)
-    unknown = set(args.only or ()) - {p.name for p in PEERS}
+    ours = tuple(p for p in OURS if not args.only or p.name in args.only)
+    known = [p.name for p in (*PEERS, *OURS)]
+    unknown = set(args.only or ()) - set(known)
     if unknown:
-        parser.error(f"unknown peers {sorted(unknown)}; known: {[p.name for p in PEERS]}")
-    result = matrix(peers)
+        parser.error(f"unknown peers {sorted(unknown)}; known: {known}")
+    result = matrix(peers, ours)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for name, col in result["peers"].items():
+    columns = {**result["peers"], **result["ours"]}
+    for name, col in columns.items():
         summary = col["counts"] if col["ran"] else col["why"]
         print(f"{name:30} {summary}")
-    failed = [n for n, c in result["peers"].items() if c["ran"] and c["counts"]["fail"]]
+    failed = [n for n, c in columns.items() if c["ran"] and c["counts"]["fail"]]
     if failed:
         print(f"unrecorded disagreements (fail cells) in: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
