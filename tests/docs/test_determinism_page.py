@@ -65,6 +65,7 @@ def test_the_invariance_matrix_has_ours_first_and_each_peer_that_ran(tmp_path):
                 },
             },
             "gpu only": {"ran": False, "clauses": {}},
+            "grammar only": {"ran": True, "clauses": {"SAMPLE-INVARIANT-1": {"status": "skip"}}},
         },
     }
     (tmp_path / "peers.json").write_text(json.dumps(matrix))
@@ -72,7 +73,7 @@ def test_the_invariance_matrix_has_ours_first_and_each_peer_that_ran(tmp_path):
     assert "| decodespec kernels | ✅ pass | ❌ fail: row 0 differs | not run |" in filled
     assert "| flex | ❌ differs: pads the batch | — | not run |" in filled
     assert filled.index("decodespec kernels") < filled.index("| flex |")
-    assert "gpu only" not in filled
+    assert "| gpu only |" not in filled and "| grammar only |" not in filled
 
 
 def test_without_a_matrix_the_page_says_how_to_make_it(tmp_path):
