@@ -20,7 +20,10 @@ every backend:
   whatever the batch (`spec.attention.paged_attention`, `spec.append.append_kv`);
 - the sampling stages (processors, sampling, logprobs, verification) run on one
   thread (`one_thread`): PyTorch splits a lone row's sums between threads;
-- no native step: every pass takes the same PyTorch path.
+- no native step: every pass takes the same PyTorch path;
+- on the triton backend, quantized projections by the spec's definition, not the
+  Triton `quantized_linear`, which computes fewer than 8 rows by another kernel
+  than 8 or more.
 
 The norms, RoPE and the MLP's elementwise steps already compute each row by
 itself. `Engine(batch_invariant=True)`, `--batch-invariant` on
@@ -40,7 +43,7 @@ from torch import Tensor
 from decodespec.spec import append, attention
 from decodespec.spec.forward import ModelWeights, Weight
 
-from .backend import Backend
+from .backend import SPEC_BACKEND, Backend
 
 # A projection multiplies its rows as they are from ROW_BLOCK rows up; fewer are
 # padded to a multiple of ROW_STEP, whose rows come out in the same bits (measured:
@@ -134,9 +137,15 @@ def one_thread(stage: Callable[..., T]) -> Callable[..., T]:
 
 def batch_invariant_backend(backend: Backend) -> Backend:
     """`backend` with the spec's per-sequence attention and KV append, its sampling
-    stages on one thread, and no native step."""
+    stages on one thread, no native step, and quantized projections on the CPU kernels
+    or the spec's definition, never the Triton `quantized_linear` (a GEMV below 8 rows
+    and a GEMM from 8: a row's bits would depend on its batch)."""
+    prepare = backend.prepare_weights
+    if "quantized_linear" in backend.kernel_ops:
+        prepare = SPEC_BACKEND.prepare_weights
     return replace(
         backend,
+        prepare_weights=prepare,
         paged_attention=attention.paged_attention,
         append_kv=append.append_kv,
         sample=one_thread(backend.sample),
@@ -145,6 +154,8 @@ def batch_invariant_backend(backend: Backend) -> Backend:
         verify_drafts=one_thread(backend.verify_drafts),
         native_step=lambda weights: None,
         kernel_ops=tuple(
-            op for op in backend.kernel_ops if op not in ("paged_attention", "append_kv")
+            op
+            for op in backend.kernel_ops
+            if op not in ("paged_attention", "append_kv", "quantized_linear")
         ),
     )

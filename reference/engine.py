@@ -134,13 +134,14 @@ class Engine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.backend = get_backend(backend)
         check_backend_device(self.backend, weights.device)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:  # a request's bits its own, whatever the batch (batch_invariance)
+            self.backend = batch_invariant_backend(self.backend)
         # The backend's kernels for quantized projections (weight_formats).
         weights = self.backend.prepare_weights(weights)
         if draft_model is not None:
             draft_model = self.backend.prepare_weights(draft_model)
-        self.batch_invariant = batch_invariant
-        if batch_invariant:  # a request's bits its own, whatever the batch (batch_invariance)
-            self.backend = batch_invariant_backend(self.backend)
+        if batch_invariant:
             weights = row_blocked(weights)
             draft_model = row_blocked(draft_model) if draft_model is not None else None
         self.weights = weights

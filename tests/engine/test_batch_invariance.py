@@ -174,6 +174,19 @@ def test_a_request_in_a_batch_is_the_spec_loop_bit_for_bit(models, fmt, backend)
     assert bits(together) == expected
 
 
+def test_the_triton_backend_keeps_quantized_rows_off_the_row_count_dependent_kernel(models):
+    """The Triton `quantized_linear` computes fewer than 8 rows with a GEMV and 8 or more
+    with a GEMM, in other bits: in the mode the triton backend's quantized projections
+    are the spec's definition, and a request's bits are its own (Triton interpreter)."""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=3, top_logprobs=2, ignore_eos=True)
+    engine = Engine(models["int4"], ByteTokenizer(), backend="triton", batch_invariant=True)
+    assert "quantized_linear" not in engine.backend.kernel_ops
+    alone = bits(run(engine, [REQUEST], params=params)[0])
+    engine = Engine(models["int4"], ByteTokenizer(), backend="triton", batch_invariant=True)
+    together = run(engine, [list(b"abcdefghijklmnopqrstuvwxyz"), REQUEST], [0, 1], params)[1]
+    assert bits(together) == alone
+
+
 def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch():
     """PyTorch splits the sums of a lone `[1, vocab]` row between its threads: the
     mode's backend runs the sampling stages on one thread, so a request's logprobs
