@@ -9,12 +9,21 @@
  * are rounded to bfloat16 (round to nearest even) and their outputs read back
  * as float32, as `CpuInt4Linear.linear` does.
  *
- * Callers (native_step.py) validate every shape and index first; these loops
- * trust them.
+ * Attention is three entry points: `append_kv` and `paged_attention`, the
+ * stage contract's operations (native_attention.py wraps them for the
+ * conformance suite), and `attention`, the decode step's fused call, which
+ * computes the new rows and then calls those two, so the suite checks the
+ * very code the engine runs.
+ *
+ * Callers (native_step.py, native_attention.py) validate every shape and
+ * index first; these loops trust them.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* The compiler that built this library, for the engine's report of which path runs. */
+const char *compiler_version(void) { return __VERSION__; }
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -72,40 +81,37 @@ static void rope(float *x, const float *cos, const float *sin, int64_t half) {
     }
 }
 
-/* One layer's attention for packed tokens (FWD-ATTN-1, ATTN-*, APPEND-*):
- * q, k, v from the bfloat16 rows of `qkv` (+ float32 `bias` unless NULL), RoPE
- * on q and k by `cos`/`sin` `[tokens, head_dim / 2]`, k and v written to the
- * float32 paged cache at `slot_mapping`, then each query row attends causally
- * over its sequence (query_start, seq_lens, block_table). `scratch` holds
- * `tokens · heads · head_dim + (heads + 2 kv_heads) · head_dim + max(seq_lens)`
- * floats. out: `[tokens, heads · head_dim]` bf16. */
-void attention(const uint16_t *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, const float *cos, const float *sin,
-               float *k_cache, float *v_cache, int64_t block_size,
-               const int64_t *slot_mapping, const int64_t *block_table, int64_t max_blocks,
-               const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
-               float *scratch, uint16_t *out) {
-    const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
-    const int64_t kv_row = kv_heads * head_dim, group = heads / kv_heads;
-    const int64_t tokens = query_start[batch];
-    const float scale = 1.0f / sqrtf((float)head_dim);
-    float *q_all = scratch; /* [tokens, heads · head_dim] */
-    float *row = q_all + tokens * heads * head_dim;
-    float *scores = row + width;
-    /* Every token's K and V go to the cache first: rows attend to later rows'
-     * keys of their own sequence only causally, but all are written. */
+/* APPEND-SLOT-1, APPEND-SKIP-1: row t of `key` and `value` (`row_bytes` each,
+ * `key_stride` / `value_stride` bytes apart) to row slot_mapping[t] of each cache
+ * (rows of `row_bytes`); slot -1 writes nothing. Bytes are copied as they are: the
+ * caller has rounded the rows to the cache's dtype (the engine's are float32 on
+ * both sides), so any dtype is stored bit for bit. */
+void append_kv(const char *key, int64_t key_stride, const char *value, int64_t value_stride,
+               char *k_cache, char *v_cache, int64_t row_bytes, const int64_t *slot_mapping,
+               int64_t tokens) {
     for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *src = qkv + t * qkv_stride;
-        for (int64_t i = 0; i < width; i++)
-            row[i] = bf16_to_float(src[i]) + (bias ? bias[i] : 0.0f);
-        for (int64_t h = 0; h < heads + kv_heads; h++)
-            rope(row + h * head_dim, cos + t * half, sin + t * half, half);
-        memcpy(q_all + t * heads * head_dim, row, sizeof(float) * heads * head_dim);
-        if (slot_mapping[t] < 0) continue; /* APPEND-SKIP-1 */
-        memcpy(k_cache + slot_mapping[t] * kv_row, row + heads * head_dim, sizeof(float) * kv_row);
-        memcpy(v_cache + slot_mapping[t] * kv_row, row + heads * head_dim + kv_row,
-               sizeof(float) * kv_row);
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue; /* APPEND-SKIP-1 */
+        memcpy(k_cache + slot * row_bytes, key + t * key_stride, (size_t)row_bytes);
+        memcpy(v_cache + slot * row_bytes, value + t * value_stride, (size_t)row_bytes);
     }
+}
+
+/* ATTN-LAYOUT-1 ... ATTN-EMPTY-1 on float32: each query row of `q` (rows of
+ * `heads · head_dim` floats, `q_stride` floats apart) attends causally over its
+ * sequence's positions in the paged float32 caches (query_start, seq_lens,
+ * block_table `[batch, max_blocks]`). Each (row, head) is computed alone, its sums
+ * in one fixed order whatever the batch (ATTN-INVARIANT-1). `scratch` holds
+ * `head_dim + max(seq_lens)` floats. out: `[tokens, heads · head_dim]`, bfloat16
+ * when `out_bf16` (the decode step's next kernel input), else float32; `lse`
+ * `[tokens, heads]` float32 (ATTN-LSE-1) unless NULL. */
+void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim, float scale, const float *k_cache, const float *v_cache,
+                     int64_t block_size, const int64_t *block_table, int64_t max_blocks,
+                     const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
+                     float *scratch, void *out, int64_t out_bf16, float *lse) {
+    const int64_t group = heads / kv_heads;
+    float *acc = scratch, *scores = scratch + head_dim;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t start = query_start[b], q_len = query_start[b + 1] - start;
         const int64_t *blocks = block_table + b * max_blocks;
@@ -113,40 +119,81 @@ void attention(const uint16_t *qkv, int64_t qkv_stride, const float *bias, int64
             const int64_t t = start + r;
             const int64_t context = seq_lens[b] - q_len + r + 1; /* ATTN-CAUSAL-1 */
             for (int64_t h = 0; h < heads; h++) {
-                const float *q = q_all + (t * heads + h) * head_dim;
-                const int64_t g = h / group;
-                uint16_t *o = out + (t * heads + h) * head_dim;
-                if (context <= 0) { /* ATTN-EMPTY-1 */
-                    for (int64_t i = 0; i < head_dim; i++) o[i] = 0;
-                    continue;
+                const float *qh = q + t * q_stride + h * head_dim;
+                const int64_t g = h / group; /* ATTN-GQA-1 */
+                const int64_t o = (t * heads + h) * head_dim;
+                if (context <= 0) { /* ATTN-EMPTY-1: no keys (seq_lens[b] = 0) */
+                    for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
+                    if (lse) lse[t * heads + h] = -INFINITY;
+                } else {
+                    float max = -INFINITY;
+                    for (int64_t j = 0; j < context; j++) {
+                        const float *k = k_cache +
+                            ((blocks[j / block_size] * block_size + j % block_size) * kv_heads +
+                             g) * head_dim;
+                        float s = 0.0f;
+                        for (int64_t i = 0; i < head_dim; i++) s += qh[i] * k[i];
+                        s *= scale;
+                        scores[j] = s;
+                        if (s > max) max = s;
+                    }
+                    float total = 0.0f;
+                    for (int64_t j = 0; j < context; j++) {
+                        scores[j] = expf(scores[j] - max);
+                        total += scores[j];
+                    }
+                    for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
+                    for (int64_t j = 0; j < context; j++) {
+                        const float *v = v_cache +
+                            ((blocks[j / block_size] * block_size + j % block_size) * kv_heads +
+                             g) * head_dim;
+                        const float p = scores[j] / total;
+                        for (int64_t i = 0; i < head_dim; i++) acc[i] += p * v[i];
+                    }
+                    if (lse) lse[t * heads + h] = max + logf(total);
                 }
-                float max = -INFINITY;
-                for (int64_t j = 0; j < context; j++) {
-                    const float *k = k_cache +
-                        ((blocks[j / block_size] * block_size + j % block_size) * kv_heads + g) *
-                            head_dim;
-                    float s = 0.0f;
-                    for (int64_t i = 0; i < head_dim; i++) s += q[i] * k[i];
-                    s *= scale;
-                    scores[j] = s;
-                    if (s > max) max = s;
+                if (out_bf16) {
+                    uint16_t *oh = (uint16_t *)out + o;
+                    for (int64_t i = 0; i < head_dim; i++) oh[i] = float_to_bf16(acc[i]);
+                } else {
+                    memcpy((float *)out + o, acc, sizeof(float) * head_dim);
                 }
-                float total = 0.0f;
-                for (int64_t j = 0; j < context; j++) {
-                    scores[j] = expf(scores[j] - max);
-                    total += scores[j];
-                }
-                float *acc = row; /* reused: head_dim floats */
-                for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
-                for (int64_t j = 0; j < context; j++) {
-                    const float *v = v_cache +
-                        ((blocks[j / block_size] * block_size + j % block_size) * kv_heads + g) *
-                            head_dim;
-                    const float p = scores[j] / total;
-                    for (int64_t i = 0; i < head_dim; i++) acc[i] += p * v[i];
-                }
-                for (int64_t i = 0; i < head_dim; i++) o[i] = float_to_bf16(acc[i]);
             }
         }
     }
+}
+
+/* One layer's attention for the decode step's packed tokens (FWD-ATTN-1):
+ * q, k, v from the bfloat16 rows of `qkv` (+ float32 `bias` unless NULL), RoPE
+ * on q and k by `cos`/`sin` `[tokens, head_dim / 2]`; then `append_kv` writes
+ * every token's k and v to the float32 paged cache at `slot_mapping` (rows
+ * attend to later rows' keys of their own sequence only causally, but all are
+ * written first), and `paged_attention` attends. `scratch` holds
+ * `tokens · (heads + 2 kv_heads) · head_dim + head_dim + max(seq_lens)` floats.
+ * out: `[tokens, heads · head_dim]` bf16. */
+void attention(const uint16_t *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
+               int64_t kv_heads, int64_t head_dim, const float *cos, const float *sin,
+               float *k_cache, float *v_cache, int64_t block_size,
+               const int64_t *slot_mapping, const int64_t *block_table, int64_t max_blocks,
+               const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
+               float *scratch, uint16_t *out) {
+    const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
+    const int64_t tokens = query_start[batch];
+    float *rows = scratch; /* [tokens, width]: q, k, v of each token, side by side */
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *src = qkv + t * qkv_stride;
+        float *row = rows + t * width;
+        for (int64_t i = 0; i < width; i++)
+            row[i] = bf16_to_float(src[i]) + (bias ? bias[i] : 0.0f);
+        for (int64_t h = 0; h < heads + kv_heads; h++)
+            rope(row + h * head_dim, cos + t * half, sin + t * half, half);
+    }
+    const int64_t k_at = heads * head_dim, v_at = k_at + kv_heads * head_dim;
+    const int64_t stride = width * (int64_t)sizeof(float);
+    append_kv((const char *)(rows + k_at), stride, (const char *)(rows + v_at), stride,
+              (char *)k_cache, (char *)v_cache, kv_heads * head_dim * (int64_t)sizeof(float),
+              slot_mapping, tokens);
+    paged_attention(rows, width, heads, kv_heads, head_dim, 1.0f / sqrtf((float)head_dim),
+                    k_cache, v_cache, block_size, block_table, max_blocks, seq_lens,
+                    query_start, batch, rows + tokens * width, out, 1, NULL);
 }

@@ -12,7 +12,7 @@ stream and KV cache:
 
     h = norm(x)             add_rms_norm   FWD-NORM-1
     qkv = h W_qkvᵀ          kernel
-    a = attention(qkv)      attention      RoPE, KV append, ATTN-*
+    a = attention(qkv)      attention      RoPE, append_kv, paged_attention
     o = a W_oᵀ              kernel
     x += o; h = norm(x)     add_rms_norm   FWD-LAYER-1
     gu = h W_guᵀ            kernel
@@ -29,10 +29,19 @@ It takes a model whose every projection is on a CPU kernel, with Q/K/V and
 gate/up each stacked as one (`cpu_linear.pack_for_cpu` makes both for the
 int8 and int4 formats), and passes of up to `MAX_TOKENS` tokens: decode
 steps and speculative verification. Longer passes (prefill) stay on the
-batched PyTorch path, whose attention uses both cores. The C loops are
-compiled once per machine with the system's C compiler into the user's
-cache directory; without one the backend says so on stderr and runs the
-PyTorch path. `DECODESPEC_NATIVE=0` turns the native step off.
+batched PyTorch path, whose attention uses both cores.
+
+`attention`'s KV append and attention are the C functions `append_kv` and
+`paged_attention`, which `native_attention.py` exposes as the stage
+contract's operations: the conformance suite runs on them
+(`--impl decodespec.reference.native_attention`).
+
+The C loops are compiled once per machine with the system's C compiler into
+the user's cache directory. Where that fails (no compiler, a compile error,
+an unwritable cache directory, a library that does not load from a noexec
+one) the backend says so in one line on stderr and runs the PyTorch path;
+`status()` says which path runs ("native step (C, cc 12.2.0)" or "off:
+<why>"). `DECODESPEC_NATIVE=0` turns the native step off.
 """
 
 from __future__ import annotations
@@ -78,7 +87,15 @@ _SIGNATURES = {
     "silu_mul": [_VOID_P, _I64, _I64, _VOID_P, _I64],
     "attention": [_VOID_P, _I64, _VOID_P, _I64, _I64, _I64, _VOID_P, _VOID_P, _VOID_P, _VOID_P,
                   _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P],
+    # The stage contract's operations, which `attention` calls (native_attention.py).
+    "append_kv": [_VOID_P, _I64, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _I64],
+    "paged_attention": [_VOID_P, _I64, _I64, _I64, _I64, _F32, _VOID_P, _VOID_P, _I64, _VOID_P,
+                        _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P],
 }  # fmt: skip
+
+
+class NativeUnavailable(RuntimeError):
+    """The C library cannot be built or loaded here; the message says why, on one line."""
 
 
 def cache_dir() -> Path:
@@ -90,49 +107,112 @@ def compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
-def build_library() -> Path:
-    """The compiled `native_step.c`, built once per source, flags and compiler.
+def _first_error(stderr: str) -> str:
+    """The compiler's first error line (the one that says what is wrong), or its first line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["no message"])[0]
 
-    Raises:
-        RuntimeError: no C compiler, or the compile failed (its messages attached).
-    """
+
+def library_path() -> Path:
+    """Where the library of this source, these flags and this compiler lives."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((compiler(), *CFLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"native_step-{key}.so"
+    return cache_dir() / f"native_step-{key}.so"
+
+
+def build_library() -> Path:
+    """The compiled `native_step.c` (`library_path`), built once per source, flags and
+    compiler.
+
+    Raises:
+        NativeUnavailable: no C compiler, the compile failed (its first error line
+            attached), or the cache directory cannot be written.
+    """
+    target = library_path()
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place: concurrent builds (test workers)
-    # never load a half-written library.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        try:
-            result = subprocess.run(
-                [compiler(), *CFLAGS, "-o", str(built), str(SOURCE), "-lm"],
-                capture_output=True,
-                text=True,
-            )
-        except FileNotFoundError as e:
-            raise RuntimeError(f"no C compiler ({compiler()!r} not found)") from e
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler()} failed on {SOURCE.name}:\n{result.stderr.strip()}")
-        os.replace(built, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built beside the target and renamed into place: concurrent builds (test
+        # workers) never load a half-written library.
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            try:
+                result = subprocess.run(
+                    [compiler(), *CFLAGS, "-o", str(built), str(SOURCE), "-lm"],
+                    capture_output=True,
+                    text=True,
+                )
+            except FileNotFoundError as e:
+                raise NativeUnavailable(f"no C compiler ({compiler()!r} not found)") from e
+            except OSError as e:  # not executable, say
+                raise NativeUnavailable(f"cannot run {compiler()!r}: {e.strerror or e}") from e
+            if result.returncode != 0:
+                raise NativeUnavailable(
+                    f"{compiler()} failed on {SOURCE.name}: {_first_error(result.stderr)}"
+                )
+            os.replace(built, target)
+    except OSError as e:  # a read-only home, a cache path through a file, a full disk
+        raise NativeUnavailable(f"cannot build in {target.parent}: {e.strerror or e}") from e
     return target
 
 
 _LIBRARY: ctypes.CDLL | None = None
+_FAILURE: str | None = None  # why the library could not be built or loaded, once tried
+
+
+def _load() -> ctypes.CDLL:
+    path = build_library()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:  # a noexec cache directory, a damaged file; dlerror names the path
+        raise NativeUnavailable(f"cannot load {e}") from e
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    lib.compiler_version.argtypes, lib.compiler_version.restype = [], ctypes.c_char_p
+    return lib
 
 
 def library() -> ctypes.CDLL:
-    """The loaded C functions (built on first use; RuntimeError as `build_library`)."""
-    global _LIBRARY
+    """The loaded C functions, built on first use.
+
+    A failure is remembered: later calls raise it again without another compile.
+
+    Raises:
+        NativeUnavailable: as `build_library`, or the library does not load.
+    """
+    global _LIBRARY, _FAILURE
     if _LIBRARY is None:
-        lib = ctypes.CDLL(str(build_library()))
-        for name, argtypes in _SIGNATURES.items():
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = None
-        _LIBRARY = lib
+        if _FAILURE is not None:
+            raise NativeUnavailable(_FAILURE)
+        try:
+            _LIBRARY = _load()
+        except NativeUnavailable as e:
+            _FAILURE = " ".join(str(e).split())  # one line, for stderr and `status`
+            raise NativeUnavailable(_FAILURE) from e.__cause__
     return _LIBRARY
+
+
+def status(weights: ModelWeights | None = None) -> str:
+    """Which path the torch backend's short passes take, in a few words: "native step
+    (C, cc 12.2.0)", or "off: <why>" when they run the batched PyTorch path
+    (`DECODESPEC_NATIVE=0`, a model the step does not take, or a library that cannot
+    be built or loaded here). Builds the library if no one has yet."""
+    if os.environ.get("DECODESPEC_NATIVE", "1") == "0":
+        return "off: DECODESPEC_NATIVE=0"
+    reason = None if weights is None else unsupported(weights)
+    if reason is not None:
+        return f"off: {reason}"
+    try:
+        return _describe(library())
+    except NativeUnavailable as e:
+        return f"off: {e}"
+
+
+def _describe(lib: ctypes.CDLL) -> str:
+    return f"native step (C, {Path(compiler()).name} {lib.compiler_version().decode()})"
 
 
 Kernel = CpuInt4Linear | CpuInt8Linear
@@ -205,6 +285,7 @@ class NativeStep:
         if reason is not None:
             raise ValueError(reason)
         self.lib = library()
+        self.description = _describe(self.lib)  # what the engine reports (`status`)
         self.weights = weights
         c = weights.config
         self.layers = []
@@ -248,7 +329,7 @@ class NativeStep:
         cos, sin = (a.reshape(tokens, d // 2).contiguous() for a in
                     rope_angles(batch.positions, self.inv_freq, torch.float32))  # fmt: skip
         width = (c.num_heads + 2 * c.num_kv_heads) * d
-        scratch = torch.empty(tokens * c.num_heads * d + width + max(lens, default=0))
+        scratch = torch.empty(tokens * width + d + max(lens, default=0))
         x = w.embedding[token_ids].float().contiguous()
         h = torch.empty(tokens, c.hidden_size, dtype=KERNEL_DTYPE)
         attended = torch.empty(tokens, c.num_heads * d, dtype=KERNEL_DTYPE)
@@ -304,12 +385,16 @@ class NativeStep:
 
 
 def native_step(weights: ModelWeights) -> NativeStep | None:
-    """The native step for `weights`, or None where it does not apply (saying why on
-    stderr when the reason is the machine's, not the model's)."""
+    """The native step for `weights`, or None where it does not apply: the model's
+    reason (`unsupported`), `DECODESPEC_NATIVE=0`, or the machine's (the library
+    cannot be built or loaded), which one line on stderr reports, once a process.
+    `status(weights)` says which, for the engine to show."""
     if os.environ.get("DECODESPEC_NATIVE", "1") == "0" or unsupported(weights) is not None:
         return None
+    reported = _FAILURE is not None
     try:
         return NativeStep(weights)
-    except RuntimeError as e:
-        print(f"decodespec: native decode step off ({e}); running PyTorch's", file=sys.stderr)
+    except NativeUnavailable as e:
+        if not reported:
+            print(f"decodespec: native decode step off ({e}); running PyTorch's", file=sys.stderr)
         return None

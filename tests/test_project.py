@@ -226,6 +226,7 @@ def test_every_operation_names_real_clauses():
         "decodespec.kernels.token_mask",
         "decodespec.kernels.quant_linear",
         "decodespec.reference.drafters",
+        "decodespec.reference.native_attention",
     ),
 )
 def test_docstring_examples_run(module):

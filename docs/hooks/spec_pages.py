@@ -13,7 +13,10 @@
   kernels are never imported, so the build needs neither a GPU nor Triton).
 - `conformance.md`: the marker `<!-- conformance-matrix -->` becomes the
   clause → tests → outcome matrix of `docs/conformance-report.json`, the
-  report of a real run of the conformance suite.
+  report of a real run of the conformance suite on the kernels, and
+  `<!-- conformance-matrix-native -->` the same for the engine's native decode
+  step (`docs/conformance-report-native.json`), limited to the clauses of the
+  operations it provides.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from docs.tools import peers  # noqa: E402
 
 KERNELS_MARKER = "<!-- kernels-api -->"
 MATRIX_MARKER = "<!-- conformance-matrix -->"
+NATIVE_MATRIX_MARKER = "<!-- conformance-matrix-native -->"
 REPORT = ROOT / "docs" / "conformance-report.json"
+NATIVE_REPORT = ROOT / "docs" / "conformance-report-native.json"
 SAMPLING_PICTURES = "sampling-pictures.md"
 # The engines a "Differs from ..." note can name: the `engine` of the peer
 # matrix's columns (results/peers.json). A clause sentence that names none of
@@ -572,18 +577,31 @@ def _matrix_row(clause_id: str, entry: dict, stage_of: dict[str, str]) -> str:
     return f"| {link} | {'<br>'.join(cells) or 'none in tests/conformance'} | {boundaries} |"
 
 
+def provided_clauses(report: dict) -> list[str] | None:
+    """The clauses of the operations a report's implementation provides, or None for
+    all of them: an implementation named explicitly skips the others' tests ("does
+    not provide operation"), and their rows would say nothing about it."""
+    missing = set(report["missing_operations"]) - set(report["self_checked_operations"])
+    if not missing:
+        return None
+    provided = [op for name, op in registry.OPERATIONS.items() if name not in missing]
+    return [c for c in report["clauses"] if any(c in op.clauses for op in provided)]
+
+
 def conformance_matrix(report_path: Path = REPORT) -> str:
     """The clause → tests → outcome matrix of a conformance report, or why there is none."""
     if not report_path.exists():
         return (
             '!!! warning "No report yet"\n\n'
-            "    `docs/conformance-report.json` is missing: run `make docs-report` "
+            f"    `docs/{report_path.name}` is missing: run `make docs-report` "
             "to produce it.\n"
         )
     report = json.loads(report_path.read_text())
     impl = report["implementation"]
     platform = report["platform"]
-    outcomes = {t["nodeid"]: t["outcome"] for c in report["clauses"].values() for t in c["tests"]}
+    shown = provided_clauses(report)
+    clauses = {c: e for c, e in report["clauses"].items() if shown is None or c in shown}
+    outcomes = {t["nodeid"]: t["outcome"] for c in clauses.values() for t in c["tests"]}
     stage_of = {module: stage.name for stage in STAGES for module in stage.modules}
     header = [
         f"Implementation **{impl['name']}** {impl['version']}, run on {report['date']} "
@@ -593,9 +611,21 @@ def conformance_matrix(report_path: Path = REPORT) -> str:
         f"Tests marking a clause: {_outcome_summary(list(outcomes.values()))}.",
         "",
     ]
+    if shown is not None:
+        provided = [n for n in registry.OPERATIONS if n not in report["missing_operations"]]
+        names = ", ".join(f"`{n}`" for n in provided)
+        header += [
+            f"Operations it provides: {names}; the clauses of the others are left out.",
+            "",
+        ]
     if report["self_checked_operations"]:
         names = ", ".join(f"`{name}`" for name in report["self_checked_operations"])
         header += [f"Operations the implementation lacks, run as a spec self-check: {names}.", ""]
+    by_reason: dict[str, list[str]] = {}
+    for feature, reason in report.get("unsupported_features", {}).items():
+        by_reason.setdefault(reason, []).append(f"`{feature}`")
+    for reason, features in by_reason.items():
+        header += [f"Unsupported features (their tests skip): {', '.join(features)}: {reason}.", ""]
     families = report.get("boundary_families", {})
     if families:
         header += [
@@ -605,9 +635,7 @@ def conformance_matrix(report_path: Path = REPORT) -> str:
             *[f"- **{name}**: {what}" for name, what in families.items()],
             "",
         ]
-    rows = [
-        _matrix_row(clause_id, entry, stage_of) for clause_id, entry in report["clauses"].items()
-    ]
+    rows = [_matrix_row(clause_id, entry, stage_of) for clause_id, entry in clauses.items()]
     table_head = ["| Clause | Tests: outcomes | Boundaries drawn |", "| --- | --- | --- |"]
     return "\n".join([*header, *table_head, *rows]) + "\n"
 
@@ -630,5 +658,7 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     if page.file.src_uri == "kernels.md":
         return markdown.replace(KERNELS_MARKER, kernels_api())
     if page.file.src_uri == "conformance.md":
-        return markdown.replace(MATRIX_MARKER, conformance_matrix())
+        return markdown.replace(MATRIX_MARKER, conformance_matrix()).replace(
+            NATIVE_MATRIX_MARKER, conformance_matrix(NATIVE_REPORT)
+        )
     return markdown

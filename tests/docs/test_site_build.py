@@ -157,9 +157,13 @@ def clause_marked_tests() -> set[tuple[str, str]]:
     return marked
 
 
-def test_the_committed_report_has_every_conformance_test():
-    """docs/conformance-report.json is current: `make docs-report` after a test changes."""
-    report = json.loads((ROOT / "docs" / "conformance-report.json").read_text())
+REPORTS = ("conformance-report.json", "conformance-report-native.json")
+
+
+@pytest.mark.parametrize("name", REPORTS)
+def test_the_committed_report_has_every_conformance_test(name):
+    """docs/conformance-report*.json are current: `make docs-report` after a test changes."""
+    report = json.loads((ROOT / "docs" / name).read_text())
     reported = {
         (clause, entry["nodeid"].split("[")[0])
         for clause, value in report["clauses"].items()
@@ -169,7 +173,7 @@ def test_the_committed_report_has_every_conformance_test():
     assert len(marked) > 50
     missing, stale = sorted(marked - reported), sorted(reported - marked)
     assert not (missing or stale), (
-        f"run `make docs-report` and commit docs/conformance-report.json\n"
+        f"run `make docs-report` and commit docs/{name}\n"
         f"not in the report: {missing}\nno longer in the suite: {stale}"
     )
 
@@ -188,3 +192,29 @@ def test_conformance_page_renders_the_committed_report(built_site):
     assert "Boundaries drawn" in text
     for family in report["boundary_families"]:
         assert family in text, f"boundary family {family} missing from the page"
+
+
+def test_conformance_page_renders_the_native_steps_report(built_site):
+    text = page_text(built_site, "conformance")
+    report = json.loads((ROOT / "docs" / "conformance-report-native.json").read_text())
+    assert report["implementation"]["name"] in text
+    assert report["date"] in text
+    assert "Unsupported features (their tests skip): " in text
+    for feature in report["unsupported_features"]:
+        assert feature in text, feature
+
+
+def test_the_native_matrix_keeps_the_clauses_of_its_operations():
+    """An explicitly named implementation's matrix: only its operations' clauses (the
+    others' tests all skip as missing), its unsupported features named."""
+    from docs.hooks import spec_pages
+
+    report = json.loads((ROOT / "docs" / "conformance-report-native.json").read_text())
+    matrix = spec_pages.conformance_matrix(ROOT / "docs" / "conformance-report-native.json")
+    ops = registry.OPERATIONS
+    for clause_id in report["clauses"]:
+        ours = clause_id in (*ops["paged_attention"].clauses, *ops["append_kv"].clauses)
+        assert (f"[{clause_id}]" in matrix) == ours, clause_id
+    assert "Operations it provides: `paged_attention`, `append_kv`" in matrix
+    assert "Unsupported features (their tests skip): `float16`, `bfloat16`, `float64`" in matrix
+    assert "failed" not in matrix

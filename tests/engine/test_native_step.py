@@ -1,6 +1,9 @@
 """The torch backend's native step (`reference/native_step.py`) is the spec's decoder:
 `cached_hidden_states` on the same packed weights, with the same cache writes and
-errors, and the engine runs it exactly where it applies.
+errors, and the engine runs it exactly where it applies. Its C attention and append
+are the stage contract's operations (`reference/native_attention.py`), which the
+conformance suite checks; where the library cannot be built or loaded the engine
+says so once and runs the PyTorch path.
 
 Agreement is within bfloat16 rounding: the kernels' inputs are rounded where
 the spec's `CpuInt4Linear.linear` rounds them, but a float32 norm or attention
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -20,15 +24,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodespec.reference import cpu_linear, native_step
+from decodespec.reference import cpu_linear, native_attention, native_step
 from decodespec.reference.backend import prepare_for_torch
 from decodespec.reference.engine import Engine
 from decodespec.reference.native_step import NativeStep, unsupported
 from decodespec.reference.weight_formats import convert_weights
+from decodespec.spec.append import append_kv as spec_append_kv
 from decodespec.spec.forward import PagedBatch, cached_hidden_states, rms_norm
 from decodespec.spec.params import SamplingParams
 from decodespec.spec.registry import RELATIVE
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
+from tests.test_harness import run_suite
 
 BF16_RTOL = RELATIVE.rtol[torch.bfloat16]
 
@@ -250,8 +256,145 @@ def test_the_engine_runs_it_for_short_passes_only(monkeypatch):
     assert sizes[0] == runner.native.max_tokens
 
 
+# ---------------------------------------------------------------- the stage contract
+
+
+def test_the_conformance_suite_passes_its_attention_and_append():
+    """The attention, append and batch-invariance tests run against the C functions the
+    decode step calls and pass; the only skips are the dtypes it declares unsupported."""
+    run = run_suite(
+        "tests/conformance/test_attention.py",
+        "tests/conformance/test_append_kv.py",
+        "tests/conformance/test_batch_invariance.py::test_a_sequence_has_the_same_bits_alone_and_in_any_batch",
+        "--impl=decodespec.reference.native_attention",
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    skips = re.findall(r"SKIPPED \[\d+\] .*", run.stdout)
+    assert all("computes float32 only" in line for line in skips), skips
+    passed = int(re.search(r"(\d+) passed", run.stdout).group(1))
+    assert passed >= 90, run.stdout[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_append_takes_every_cache_dtype_bit_for_bit(dtype):
+    """The C append copies rows already rounded to the cache's dtype: the spec's bits
+    for each dtype the suite skips (the module declares them for its attention)."""
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, 5, 3, 8, generator=g)
+    cache = torch.randn(2, 4, 4, 3, 8, generator=g).to(dtype)
+    slots = torch.tensor([9, -1, 0, 15, 4], dtype=torch.int32)
+    ours, spec = [c.clone() for c in cache], [c.clone() for c in cache]
+    native_attention.append_kv(key, value, *ours, slots)
+    spec_append_kv(key, value, *spec, slots)
+    for a, b in zip(ours, spec, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_attention_refuses_what_the_c_code_does_not_compute():
+    q = torch.randn(1, 2, 8, dtype=torch.float16)
+    cache = torch.randn(1, 4, 1, 8, dtype=torch.float16)
+    index = dict(block_table=torch.tensor([[0]]), seq_lens=torch.tensor([1]),
+                 query_start=torch.tensor([0, 1]))  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"float32 only, got q of torch\.float16"):
+        native_attention.paged_attention(q, cache, cache.clone(), **index)
+    with pytest.raises(ValueError, match="k_cache is on meta: the native step's C code"):
+        native_attention.append_kv(
+            q[0].float(), q[0].float(), cache.float().to("meta"), cache.float().to("meta"),
+            torch.tensor([0, 1]).to("meta"), validate=False,
+        )  # fmt: skip
+
+
+# ---------------------------------------------------------------- where C cannot run
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """This process's library state forgotten, and a cache directory of our own: the
+    next `native_step` builds (or fails to) as a new process would."""
+    monkeypatch.setattr(native_step, "_LIBRARY", None)
+    monkeypatch.setattr(native_step, "_FAILURE", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("DECODESPEC_NATIVE", raising=False)
+    return tmp_path
+
+
+def no_compiler(monkeypatch, folder) -> None:
+    monkeypatch.setenv("CC", str(folder / "no-such-cc"))
+
+
+def broken_compiler(monkeypatch, folder) -> None:
+    """A compiler that fails as cc does on a broken toolchain."""
+    script = folder / "broken-cc"
+    script.write_text(
+        "#!/bin/sh\necho 'In file included from native_step.c:1:' >&2\n"
+        "echo 'fatal error: math.h: No such file or directory' >&2\nexit 1\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+
+
+def unwritable_cache(monkeypatch, folder) -> None:
+    """A cache path through a regular file: unwritable even for root, as a read-only home."""
+    (folder / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(folder / "file"))
+
+
+def unloadable_library(monkeypatch, folder) -> None:
+    """A library file in place that does not load (what a noexec cache directory, or a
+    damaged file, makes of a good one)."""
+    path = native_step.library_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not an ELF file")
+
+
+FAILURES = {
+    "no compiler": (no_compiler, "no C compiler ('"),
+    "compile error": (
+        broken_compiler,
+        "failed on native_step.c: fatal error: math.h: No such file or directory",
+    ),
+    "unwritable cache": (unwritable_cache, "cannot build in"),
+    "library does not load": (unloadable_library, "cannot load"),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_library_that_cannot_be_had_turns_the_step_off_in_one_line(
+    failure, fresh_library, monkeypatch, capsys
+):
+    """Any failure to build or load the library, OSError included: one line on stderr
+    (once a process), `status` says why, and the engine runs the PyTorch path."""
+    arrange, reason = FAILURES[failure]
+    arrange(monkeypatch, fresh_library)
+    weights = packed_model("int4")
+    assert native_step.native_step(weights) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("decodespec: native decode step off ("), err
+    assert reason in err and err.rstrip().endswith("running PyTorch's"), err
+    assert native_step.status(weights).startswith("off: ") and reason in native_step.status()
+    engine = Engine(weights, ByteTokenizer(), backend="torch", cache_tokens=256)
+    assert engine.runner.native is None
+    assert capsys.readouterr().err == "", "the failure is reported once a process"
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    tokens = [e.token_id for e in engine.generate([1, 2, 3], params) if e.token_id is not None]
+    assert len(tokens) == 3
+
+
+def test_status_names_the_path(fresh_library, monkeypatch):
+    weights = packed_model("int4")
+    step = native_step.native_step(weights)
+    assert isinstance(step, NativeStep)
+    assert re.fullmatch(r"native step \(C, cc [\w .()+-]+\)", step.description), step.description
+    assert native_step.status(weights) == native_step.status() == step.description
+    dense = prepare_for_torch(random_weights(small_config()))
+    assert native_step.status(dense) == f"off: {unsupported(dense)}"
+    monkeypatch.setenv("DECODESPEC_NATIVE", "0")
+    assert native_step.status(weights) == "off: DECODESPEC_NATIVE=0"
+
+
 def test_no_compiler_says_so_and_runs_pytorch(tmp_path):
-    """Without a C compiler the backend runs PyTorch's path and says so on stderr."""
+    """Without a C compiler the backend runs PyTorch's path and says so on stderr (a
+    process of its own: nothing here has loaded the library before)."""
     script = (
         "from decodespec.reference import native_step\n"
         "from tests.engine.test_native_step import packed_model\n"

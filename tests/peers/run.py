@@ -15,10 +15,11 @@ on real grammars, and the tokens mask-first (the spec) and llama.cpp's
 chain-first sampling can return (tests/peers/mask_order.py).
 
 `ours` holds the batch-invariance checker (tests/conformance/test_batch_invariance.py)
-run the same way on our own implementations: the kernels, the spec's operations
-and the engine's torch-backend attention (their whole suite is `make
-docs-report`'s), so the matrix says which of ours and the peers' operations
-compute a row the same way whatever its batch.
+run the same way on our own implementations: the kernels, the spec's operations,
+the engine's torch-backend attention and its native decode step's C attention
+(the whole suite of the kernels and of the native step is `make docs-report`'s),
+so the matrix says which of ours and the peers' operations compute a row the
+same way whatever its batch.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ OURS = (
     Peer("decodespec kernels", "decodespec.kernels", "decodespec"),
     Peer("decodespec spec", "tests.peers.decodespec_spec", "decodespec"),
     Peer("decodespec torch backend", "tests.peers.decodespec_torch", "decodespec"),
+    Peer("decodespec native step", "tests.peers.decodespec_native", "decodespec"),
 )
 INVARIANCE_TESTS = (
     "tests/conformance/test_batch_invariance.py",
