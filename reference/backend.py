@@ -8,7 +8,7 @@ one for all; a backend is the table of functions it calls:
 - `torch`: the spec's functions, but attention batched across sequences
   (`batched_attention`) and quantized projections on PyTorch's CPU kernels
   (`cpu_linear`), their decode steps in C between the kernels
-  (`native_step`): the fast choice on a CPU, and `serve`'s default;
+  (`native_step`): the fast choice on a CPU, and the commands' default;
 - `triton`: the kernels (the Triton interpreter without a GPU), quantized
   projections included (`KernelLinear`).
 """
@@ -32,7 +32,9 @@ from . import batched_attention, cpu_linear, native_step
 from .weight_formats import map_quantized
 
 BACKENDS = ("spec", "torch", "triton")
-SERVE_BACKEND = "torch"  # `decodespec serve`'s default: throughput matters most there
+# `generate`'s and `serve`'s default: the fastest that conforms (the spec's stages, with
+# attention batched and the decode step native, checked by the conformance suite).
+DEFAULT_BACKEND = "torch"
 
 STAGE_OPERATIONS = (
     "paged_attention",

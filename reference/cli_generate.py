@@ -12,16 +12,18 @@ from pathlib import Path
 from decodespec.spec.generate import TokenLogprobs
 from decodespec.spec.params import MAX_TOP_LOGPROBS, SamplingParams
 
-from .backend import BACKENDS, get_backend
+from .backend import BACKENDS, DEFAULT_BACKEND, get_backend
 from .cli_options import (
     add_batch_invariant_flag,
     add_grammar_backend_flag,
     add_sampling_flags,
+    add_token_budget_flag,
     add_weights_flag,
     load_model_with_progress,
     prompt_ids,
     sampling_params,
     speculation,
+    token_budget,
     torch_device,
 )
 from .engine import Engine
@@ -29,7 +31,6 @@ from .grammar import StructuredOutput
 from .request import RequestOutput
 from .request_options import RequestOptions
 from .tokenizer import Tokenizer
-from .weight_formats import describe
 
 
 def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparsers type)
@@ -47,9 +48,10 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
     gen.add_argument(
         "--backend",
         choices=BACKENDS,
-        default="spec",
-        help="stage functions: the spec's PyTorch (default), the same with attention "
-        "batched across requests (torch), or the Triton kernels",
+        default=DEFAULT_BACKEND,
+        help=f"stage functions: the spec's PyTorch (spec, the definition), the same with "
+        f"attention batched across requests and a native decode step (torch), or the "
+        f"Triton kernels (default {DEFAULT_BACKEND})",
     )
     gen.add_argument(
         "--device",
@@ -88,6 +90,7 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
         "--choice", action="append", metavar="TEXT", help="one of these strings (repeatable)"
     )
     add_grammar_backend_flag(gen)
+    add_token_budget_flag(gen)
     add_batch_invariant_flag(gen)
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -119,6 +122,7 @@ def output_json(
         "completion_tokens": out.completion_tokens,
         "ttft_s": out.ttft_s,
         "tokens_per_s": out.tokens_per_s,
+        "path": out.path,
     }
     if speculating:
         result["draft_tokens"] = out.draft_tokens
@@ -211,9 +215,10 @@ def generate(args: argparse.Namespace) -> int:
         draft_model=draft_model,
         grammar_backend=args.grammar_backend,
         batch_invariant=args.batch_invariant,
+        token_budget=token_budget(args),
     )
     del weights  # the engine holds the backend's copy (weight_formats)
-    print(f"weights: {describe(engine.weights)}", file=sys.stderr)
+    print(f"path: {engine.path}", file=sys.stderr)
     failed = False
     for prompt in args.prompt:  # one engine: a later prompt reuses the earlier ones' prefix
         ids = prompt_ids(tokenizer, prompt, args.raw, args.system)

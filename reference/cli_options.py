@@ -15,6 +15,7 @@ from decodespec.spec.forward import ModelWeights
 from decodespec.spec.params import PARAMETERS, SamplingParams
 
 from . import loader
+from .engine import DEFAULT_TOKEN_BUDGET
 from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from .grammar_backends import BACKENDS as GRAMMAR_BACKENDS
 from .model_files import bundled_model_path
@@ -137,6 +138,25 @@ def add_grammar_backend_flag(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_GRAMMAR_BACKEND,
         help=f"the library that compiles structured outputs (default {DEFAULT_GRAMMAR_BACKEND})",
     )
+
+
+def add_token_budget_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=DEFAULT_TOKEN_BUDGET,
+        metavar="N",
+        help=f"tokens per forward pass (chunked prefill; default {DEFAULT_TOKEN_BUDGET}): "
+        "decoding requests one each, prompts in chunks of what is left; 0 runs every "
+        "prompt whole",
+    )
+
+
+def token_budget(args: argparse.Namespace) -> int | None:
+    """`--token-budget` as the engine's `token_budget` (0: None, prompts whole)."""
+    if args.token_budget < 0:
+        raise ValueError(f"--token-budget must be >= 0, got {args.token_budget}")
+    return args.token_budget or None
 
 
 def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:

@@ -8,18 +8,19 @@ import socket
 import sys
 from pathlib import Path
 
-from .backend import BACKENDS, SERVE_BACKEND, get_backend
+from .backend import BACKENDS, DEFAULT_BACKEND, get_backend
 from .cli_options import (
     add_batch_invariant_flag,
     add_grammar_backend_flag,
+    add_token_budget_flag,
     add_weights_flag,
     load_model_with_progress,
     speculation,
+    token_budget,
     torch_device,
 )
 from .engine import Engine
 from .model_files import bundled_model_path
-from .weight_formats import describe
 
 
 def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparsers type)
@@ -32,9 +33,8 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
     srv.add_argument(
         "--backend",
         choices=BACKENDS,
-        default=SERVE_BACKEND,
-        help="as for generate; default torch: the spec's stages with attention batched "
-        "across the requests of a step",
+        default=DEFAULT_BACKEND,
+        help=f"as for generate (default {DEFAULT_BACKEND})",
     )
     srv.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     add_weights_flag(srv)
@@ -50,6 +50,7 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
     srv.add_argument("--speculate", metavar="DRAFTER", help="as for generate")
     srv.add_argument("--num-draft", type=int, default=4, metavar="K")
     add_grammar_backend_flag(srv)
+    add_token_budget_flag(srv)
     add_batch_invariant_flag(srv)
     srv.set_defaults(run=serve)
 
@@ -91,9 +92,10 @@ def serve(args: argparse.Namespace) -> int:
         draft_model=draft_model.to(device) if draft_model is not None else None,
         grammar_backend=args.grammar_backend,
         batch_invariant=args.batch_invariant,
+        token_budget=token_budget(args),
     )
     del weights, draft_model  # the engine holds the backend's copies (weight_formats)
-    print(f"weights: {describe(engine.weights)}", file=sys.stderr)
+    print(f"path: {engine.path}", file=sys.stderr)
     name = args.served_model_name or served_model_name(args.model)
     host, port = listening.getsockname()[:2]
     print(f"serving {name} on http://{host}:{port} (viewer at /)", file=sys.stderr)

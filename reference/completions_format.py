@@ -113,8 +113,9 @@ class Responder:
         }
 
     def extensions(self, output: RequestOutput) -> dict:
-        """decodespec's fields: the seed used and the timings."""
+        """decodespec's fields: the seed used, the timings and what computed them."""
         timing = {
+            "path": output.path,
             "ttft_s": output.ttft_s,
             "tokens_per_s": output.tokens_per_s,
             "prompt_tokens_per_s": output.prompt_tokens_per_s,

@@ -33,6 +33,7 @@ from decodespec.spec.params import SamplingParams
 from decodespec.spec.stop import StopChecker
 from decodespec.spec.token_mask import bitmask_words
 
+from . import native_step
 from .backend import check_backend_device, get_backend
 from .batch_invariance import batch_invariant_backend, row_blocked
 from .block_manager import BlockManager, NaiveBlockManager
@@ -46,6 +47,7 @@ from .request_options import RequestOptions
 from .runner import ModelRunner, NaiveModelRunner, PagedModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .weight_formats import describe
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -55,6 +57,11 @@ def _check_int(name: str, value: object, low: int) -> int:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
 
+
+# Chunked prefill's tokens per pass (`scheduler.py`): small enough that a pass beside a
+# long prompt costs decoding requests a few decode steps, large enough that a prompt
+# is not cut into many passes (results/serve-cpu.json measures TTFT and ITL with it).
+DEFAULT_TOKEN_BUDGET = 64
 
 # Seeds the engine draws are below this (every JSON client reads them exactly).
 DRAWN_SEEDS = 2**53
@@ -86,6 +93,9 @@ class Engine:
         batch_invariant: a request's tokens and logprobs are bitwise the same
             alone or in any batch, with or without a cached prefix
             (`batch_invariance.py`).
+        token_budget: about how many tokens a pass runs (chunked prefill,
+            `scheduler.py`): decoding requests one each, prompts in chunks of
+            what is left; None runs every prompt whole in one pass.
 
     Example (see `generate` for one request):
         >>> engine = Engine(weights, tokenizer)                    # doctest: +SKIP
@@ -111,6 +121,7 @@ class Engine:
         draft_model: ModelWeights | None = None,
         grammar_backend: str = DEFAULT_GRAMMAR_BACKEND,
         batch_invariant: bool = False,
+        token_budget: int | None = DEFAULT_TOKEN_BUDGET,
     ) -> None:
         flags = {"naive": naive, "prefix_caching": prefix_caching}
         for name, flag in {**flags, "batch_invariant": batch_invariant}.items():
@@ -122,6 +133,8 @@ class Engine:
         if show_probs > sampling_params.MAX_TOP_LOGPROBS:
             raise ValueError(f"show_probs must be in [0, 20], got {show_probs}")
         self.num_draft = _check_int("num_draft", num_draft, 1)
+        if token_budget is not None:
+            _check_int("token_budget", token_budget, 1)
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -171,11 +184,28 @@ class Engine:
             self.block_manager,
             self.config.max_context,
             num_draft=self.num_draft if self.drafter is not None else 0,
+            token_budget=None if naive else token_budget,  # naive passes recompute all
         )
+        self.path = self._describe_path(token_budget if not naive else None)
         self.requests: dict[int, Request] = {}
         # What each `generate` stream has yet to yield.
         self._streams: dict[int, deque[RequestStepOutput]] = {}
         self._next_id = 0
+
+    def _describe_path(self, token_budget: int | None) -> str:
+        """What computes every request: the weights' format, the backend, the decode
+        step (the native C step, or why not) and the token budget, in one line."""
+        parts = [describe(self.weights), f"backend {self.backend.name}"]
+        native = getattr(self.runner, "native", None)
+        if native is not None:
+            parts.append(native.description)
+        elif self.backend.name == "torch":  # the backend that has one: why it is off
+            why = native_step.status(self.weights).removeprefix("off: ")
+            if self.batch_invariant:
+                why = "batch-invariant mode"
+            parts.append(f"native step off ({why})")
+        parts.append(f"token budget {token_budget}" if token_budget else "prompts whole")
+        return "; ".join(parts)
 
     # -- requests
 
@@ -279,14 +309,17 @@ class Engine:
         if request.finish_reason is None:
             raise ValueError(f"request {request_id} has not finished: abort it first")
         del self.requests[request_id]
-        return RequestOutput.of(request)
+        return self._output(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def output(self, request_id: int) -> RequestOutput:
         """The request's text, ids, finish reason and timings so far."""
-        return RequestOutput.of(self._request(request_id))
+        return self._output(self._request(request_id))
+
+    def _output(self, request: Request) -> RequestOutput:
+        return replace(RequestOutput.of(request), path=self.path)
 
     def generate(
         self,

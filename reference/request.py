@@ -99,6 +99,9 @@ class Request:
     options: RequestOptions
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions whose K/V are in the cache
+    # Of `new_tokens()`, how many the next pass runs (`Scheduler.schedule`): all of them,
+    # or a chunk of a prompt cut to the pass's token budget.
+    num_scheduled: int = 0
     draft_slots: int = 0  # drafts this pass has cache slots for (`Scheduler.schedule`)
     # Keys of the leading full blocks registered for prefix caching
     # (`BlockManager.register_full_blocks`).
@@ -145,6 +148,16 @@ class Request:
         prompt + output (the prompt at first, then the last token; everything
         again after a preemption)."""
         return (self.prompt_ids + self.output_ids)[self.num_cached :]
+
+    def scheduled_tokens(self) -> list[int]:
+        """The tokens the next pass runs: `new_tokens()`, cut to `num_scheduled`."""
+        return self.new_tokens()[: self.num_scheduled]
+
+    @property
+    def samples(self) -> bool:
+        """Whether the next pass reaches the sequence's last token, whose logits choose
+        the next token; False for a prompt chunk with more of the prompt after it."""
+        return self.num_cached + self.num_scheduled >= self.length
 
     def prompt_positions(self) -> range:
         """Positions whose logits score a prompt token not scored yet: position p scores
@@ -260,6 +273,9 @@ class RequestOutput:
     cached_tokens: int = 0
     # prompt_logprobs: per prompt position, None first, then each token's score.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # What computed it: the weights' format, the backend, the decode step's path and
+    # the token budget (`Engine.path`).
+    path: str | None = None
 
     @classmethod
     def of(cls, r: Request) -> RequestOutput:

@@ -54,17 +54,27 @@ class ModelRunner:
     def run(
         self, batch: list[Request], drafts: list[Draft], show_probs: int = 0
     ) -> list[PassOutcome]:
-        """One forward pass over the batch (each request's new tokens and drafts), then
-        every request's tokens: sampled, or its drafts verified."""
+        """One forward pass over the batch (each request's scheduled tokens and drafts),
+        then the tokens of every request whose pass reaches its sequence's end:
+        sampled, or its drafts verified. A prompt chunk short of the end gets only
+        the positions it cached (and its prompt tokens' scores)."""
         tokens = [d.tokens for d in drafts]
-        positions = [r.prompt_positions() for r in batch]
+        positions = [_scored_in_pass(r) for r in batch]
         if any(positions):
             logits, cached, scores = self.forward_scoring(batch, tokens, positions)
         else:
             (logits, cached), scores = self.forward(batch, tokens), [[] for _ in batch]
-        states = [r.logits_state for r in batch]
-        outputs = [r.output_ids for r in batch]
-        outcomes = self.sampler.choose(logits, states, outputs, drafts, show_probs)
+        sampling = [i for i, r in enumerate(batch) if r.samples]
+        chosen = self.sampler.choose(
+            logits,
+            [batch[i].logits_state for i in sampling],
+            [batch[i].output_ids for i in sampling],
+            [drafts[i] for i in sampling],
+            show_probs,
+        )
+        outcomes = [PassOutcome() for _ in batch]
+        for i, outcome in zip(sampling, chosen, strict=True):
+            outcomes[i] = outcome
         return [
             replace(outcome, prompt_logprobs=records, num_cached=c, draft_cached=d.drafter_cached)
             for outcome, records, c, d in zip(outcomes, scores, cached, drafts, strict=True)
@@ -74,8 +84,9 @@ class ModelRunner:
         self, batch: list[Request], drafts: list[list[int]]
     ) -> tuple[Tensor, list[int | None]]:
         """Logits after each request's last token and after each of its drafts,
-        `[Σ (len(drafts[b]) + 1), vocab]` request by request, and the positions each
-        request has cached after the pass (None: no cache)."""
+        `[Σ (len(drafts[b]) + 1), vocab]` request by request (none for a request
+        whose pass stops short of its sequence's end: `Request.samples`), and the
+        positions each request has cached after the pass (None: no cache)."""
         raise NotImplementedError
 
     def forward_scoring(
@@ -168,10 +179,17 @@ class PagedModelRunner(ModelRunner):
         return self.cache.paged_batch(
             [r.blocks for r in batch],
             [r.num_cached for r in batch],
-            [r.new_tokens() + d for r, d in zip(batch, drafts, strict=True)],
-            [len(d) + 1 for d in drafts],
+            [r.scheduled_tokens() + d for r, d in zip(batch, drafts, strict=True)],
+            [len(d) + 1 if r.samples else 0 for r, d in zip(batch, drafts, strict=True)],
             self.weights.device,
         )
+
+
+def _scored_in_pass(request: Request) -> range:
+    """The prompt positions to score (`Request.prompt_positions`) that this pass runs."""
+    wanted = request.prompt_positions()
+    end = request.num_cached + request.num_scheduled
+    return range(wanted.start, min(wanted.stop, end)) if wanted else wanted
 
 
 class NaiveModelRunner(ModelRunner):

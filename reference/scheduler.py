@@ -12,6 +12,17 @@ not in a step that had to preempt. A request that could never fit alone
 speculative decoding, each request then gets slots for the drafts it will
 take this pass, if the pool has them (vLLM's lookahead slots), else none.
 
+Chunked prefill (vLLM's `max_num_batched_tokens`): a pass runs about
+`token_budget` tokens. Decoding requests come first, one token each (and
+the drafts they take, outside the budget), then the prompts under way,
+oldest first, then new admissions, each prompt taking a chunk of what the
+budget has left; a request is admitted only while some is left. A
+chunk that stops short of the sequence's end yields no token: its logits
+are not even computed, and the next pass continues from the positions it
+cached (a cached prefix, LOOP-PREFIX-1). So one long prompt, or many new
+ones, never stalls the requests already decoding, and short prompts get
+their first token without waiting for a long one before them.
+
 With prefix caching, a request admitted maps the cached blocks that hold the
 longest whole-block prefix of its sequence (never its last token, whose
 logits it needs) and runs only the rest; after each pass, its newly full
@@ -28,18 +39,24 @@ from .request import PassOutcome, Request, RequestStepOutput
 
 
 class Scheduler:
-    """Admission, growth, preemption, draft slots, abort and finishing.
+    """Admission, growth, preemption, prompt chunks, draft slots, abort and finishing.
 
     `num_draft` is the engine's K, the most drafts per request and pass (0:
-    no speculative decoding).
+    no speculative decoding). `token_budget` bounds the tokens of a pass (see
+    the module docstring); None runs every prompt whole.
     """
 
     def __init__(
-        self, blocks: BlockManager | NaiveBlockManager, max_context: int, num_draft: int = 0
+        self,
+        blocks: BlockManager | NaiveBlockManager,
+        max_context: int,
+        num_draft: int = 0,
+        token_budget: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.max_context = max_context
         self.num_draft = num_draft
+        self.token_budget = token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
 
@@ -56,8 +73,32 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Request]:
-        """The requests of the next pass, each with cache blocks for its new tokens and
-        `draft_slots` for the drafts it may take."""
+        """The requests of the next pass, each with cache blocks for its new tokens,
+        `num_scheduled` (how many of them the pass runs) and `draft_slots` (the
+        drafts it may take)."""
+        preempted = self._grow_running()
+        decoding = [r for r in self.running if len(r.new_tokens()) == 1]
+        prefilling = [r for r in self.running if len(r.new_tokens()) > 1]
+        # Decoding requests first, one token each: a long prompt never stalls them.
+        left = None if self.token_budget is None else self.token_budget - len(decoding)
+        for request in decoding:
+            request.num_scheduled = 1
+        for request in prefilling:  # prompts under way, oldest first
+            left = self._schedule_chunk(request, left)
+        while self.waiting and not preempted and (left is None or left > 0):
+            if not self.admit(self.waiting[0]):
+                break  # it fits once running requests finish
+            request = self.waiting.popleft()
+            self.running.append(request)
+            left = self._schedule_chunk(request, left)
+        batch = [r for r in self.running if r.num_scheduled > 0]
+        for request in batch:
+            request.draft_slots = self._draft_slots(request) if request.samples else 0
+        return batch
+
+    def _grow_running(self) -> bool:
+        """Give every running request blocks for its whole sequence, preempting the
+        most recently admitted while the pool runs dry; whether any was preempted."""
         preempted = False
         for request in list(self.running):
             if request not in self.running:
@@ -68,13 +109,15 @@ class Scheduler:
                 preempted = True
                 if victim is request:
                     break
-        while self.waiting and not preempted:
-            if not self.admit(self.waiting[0]):
-                break  # it fits once running requests finish
-            self.running.append(self.waiting.popleft())
-        for request in self.running:
-            request.draft_slots = self._draft_slots(request)
-        return list(self.running)
+        return preempted
+
+    @staticmethod
+    def _schedule_chunk(request: Request, left: int | None) -> int | None:
+        """Schedule what `left` tokens of the budget allow of the request's new tokens
+        (all of them without a budget); the budget left after it."""
+        wanted = len(request.new_tokens())
+        request.num_scheduled = wanted if left is None else min(wanted, max(left, 0))
+        return None if left is None else left - request.num_scheduled
 
     def admit(self, request: Request) -> bool:
         """Give a waiting request its blocks (mapping a cached prefix); False, taking
@@ -137,7 +180,8 @@ class Scheduler:
         # request's own tokens; any after them are drafts', which may be rejected.
         self.blocks.register_full_blocks(request, min(request.num_cached, request.length))
         request.prompt_logprobs += outcome.prompt_logprobs
-        request.target_passes += 1
+        if outcome.tokens:  # not a prompt chunk's pass
+            request.target_passes += 1
         if outcome.drafted:
             request.record_verification(outcome.drafted, accepted=len(outcome.tokens) - 1)
         outputs = []

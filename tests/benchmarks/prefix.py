@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from decodespec.reference.backend import SERVE_BACKEND
+from decodespec.reference.backend import DEFAULT_BACKEND
 from decodespec.reference.engine import Engine
 from decodespec.reference.request import RequestOutput
 from decodespec.spec.forward import ModelWeights
@@ -72,7 +72,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON file")
     parser.add_argument("--max-tokens", type=int, default=4, help="new tokens per question")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the fastest is kept")
-    parser.add_argument("--backend", default=SERVE_BACKEND, help="the engine's backend")
+    parser.add_argument("--backend", default=DEFAULT_BACKEND, help="the engine's backend")
     parser.add_argument(
         "--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads"
     )

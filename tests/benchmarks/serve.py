@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from decodespec.reference.backend import SERVE_BACKEND
+from decodespec.reference.backend import DEFAULT_BACKEND
 from tests.benchmarks.gpu import fmt, print_targets, write_json
 from tests.benchmarks.test_cpu_engine import cpu_report_header
 from tests.serve import load
@@ -171,7 +171,7 @@ def report(args: argparse.Namespace, argv: Sequence[str]) -> dict:
         ),
         "software": versions(),
         "model": model,
-        "backend": SERVE_BACKEND,
+        "backend": DEFAULT_BACKEND,
         "client": "httpx.AsyncClient streaming /v1/completions over loopback (its connections "
         "opened before the clock starts), in the server's process (uvicorn in a thread)",
         "sampling": "greedy (temperature 0), ignore_eos, raw prompts (no chat template)",

@@ -84,7 +84,7 @@ from pathlib import Path
 import torch
 
 from decodespec.reference import grammar_backends
-from decodespec.reference.backend import SERVE_BACKEND
+from decodespec.reference.backend import DEFAULT_BACKEND as ENGINE_BACKEND
 from decodespec.reference.engine import Engine
 from decodespec.reference.grammar import (
     DEFAULT_BACKEND,
@@ -492,7 +492,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON file")
     parser.add_argument("--max-tokens", type=int, default=150, help="new tokens per request")
-    parser.add_argument("--backend", default=SERVE_BACKEND, help="the engine's backend")
+    parser.add_argument("--backend", default=ENGINE_BACKEND, help="the engine's backend")
     parser.add_argument(
         "--grammar-backend",
         default=DEFAULT_BACKEND,

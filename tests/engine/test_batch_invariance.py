@@ -117,9 +117,10 @@ def test_a_request_has_the_same_bits_alone_and_in_any_batch(
 @pytest.mark.clause("LOOP-INVARIANT-1", "LOOP-PREFIX-1")
 @pytest.mark.parametrize("backend", ["spec", "torch"])
 @pytest.mark.parametrize("fmt", ["float32", "int4"])
-def test_a_cached_prefix_and_speculation_change_no_bit(models, fmt, backend):
+def test_a_cached_prefix_chunks_and_speculation_change_no_bit(models, fmt, backend):
     """LOOP-PREFIX-1 made bitwise: the prompt's rows after a prefix another request
-    cached, and a verify pass's rows, come out as computed alone, token by token."""
+    cached, or prefilled in chunks of a small token budget, and a verify pass's rows,
+    come out as computed alone, token by token."""
     weights = models[fmt]
     prompt = SYSTEM + REQUEST
 
@@ -132,6 +133,7 @@ def test_a_cached_prefix_and_speculation_change_no_bit(models, fmt, backend):
     after_prefix = run(cached, [prompt])[0]
     assert after_prefix.cached_tokens > 0
     assert bits(after_prefix) == alone
+    assert bits(run(engine(token_budget=7), [prompt])[0]) == alone  # chunked prefill
     # Speculation samples by rejection (its draws are not plain sampling's), so the
     # verify pass is compared greedy: each position's logprobs as computed alone.
     greedy = SamplingParams(temperature=0, max_tokens=8, top_logprobs=3, ignore_eos=True)

@@ -228,7 +228,7 @@ def test_generate_streams_the_answer_and_reports_stats(model, greedy):
     assert stats, run.err
     assert int(stats["tokens"]) == eos + 1
     assert stats["finish"] == "stop"
-    assert stats["backend"] == "spec" and not stats["naive"]
+    assert stats["backend"] == "torch" and not stats["naive"]
     assert float(stats["ttft"].removesuffix(" s")) >= 0 and float(stats["rate"]) > 0
     assert "Traceback" not in run.err
 
@@ -1029,7 +1029,7 @@ def test_weights_int4_runs_on_the_cpu_kernels_and_says_what_it_holds(model):
     run = run_cli(model, "generate", QUESTION, "--weights", "int4", "--backend", "torch",
                   "--max-tokens", "8", "--ignore-eos")  # fmt: skip
     assert run.code == 0, run.err
-    assert "weights: projections int4 g32 ×210, int8 ×1; activations float32" in run.err
+    assert "path: projections int4 g32 ×210, int8 ×1; activations float32" in run.err
     assert len(run.out.strip()) > 0 and "Traceback" not in run.err
 
 

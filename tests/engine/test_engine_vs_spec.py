@@ -194,6 +194,11 @@ def check_all(engine: Engine, weights, ids, events, skip=()) -> None:
     ), "blocks leaked"
 
 
+# Chunked prefill's budgets: prompts (up to 12 tokens) in chunks of 1 or 3 tokens
+# beside the decoding requests, or whole (the default budget, or none).
+TOKEN_BUDGETS = st.sampled_from((1, 3, 64, None))
+
+
 def small_model(seed: int):
     return random_weights(small_config(max_context=64), seed=seed)
 
@@ -215,10 +220,16 @@ def test_a_single_request_is_the_spec_loop(workload, seed):
     seed=st.integers(0, 50),
     block_size=st.sampled_from((1, 2, 4, 16)),
     naive=st.booleans(),
+    token_budget=TOKEN_BUDGETS,
 )
-def test_requests_joining_and_leaving_are_each_the_spec_loop(workload, seed, block_size, naive):
+def test_requests_joining_and_leaving_are_each_the_spec_loop(
+    workload, seed, block_size, naive, token_budget
+):
+    """Prompts whole or in chunks of a small token budget (chunked prefill)."""
     weights = small_model(seed)
-    engine = Engine(weights, ByteTokenizer(), block_size=block_size, naive=naive)
+    engine = Engine(
+        weights, ByteTokenizer(), block_size=block_size, naive=naive, token_budget=token_budget
+    )
     check_all(engine, weights, *run_workload(engine, workload))
 
 
@@ -232,7 +243,11 @@ def test_preempted_and_recomputed_requests_are_each_the_spec_loop(workload, seed
     largest = max(len(p) + (params.max_tokens or 0) - 1 for p, params, _ in workload)
     blocks = -(-largest // block_size) + data.draw(st.integers(0, 3))
     engine = Engine(
-        weights, ByteTokenizer(), block_size=block_size, cache_tokens=blocks * block_size
+        weights,
+        ByteTokenizer(),
+        block_size=block_size,
+        cache_tokens=blocks * block_size,
+        token_budget=data.draw(TOKEN_BUDGETS),
     )
     ids, events = run_workload(engine, workload)
     preempted = sum(engine.requests[i].preemptions for i in ids.values())
@@ -270,8 +285,11 @@ def draft_model_of(weights):
     speculate=st.sampled_from(("ngram", "layers:1", "model")),
     num_draft=st.integers(1, 4),
     cache_tokens=st.sampled_from((24, 64, 1024)),
+    token_budget=TOKEN_BUDGETS,
 )
-def test_speculative_decoding_is_the_spec_loop(workload, seed, speculate, num_draft, cache_tokens):
+def test_speculative_decoding_is_the_spec_loop(
+    workload, seed, speculate, num_draft, cache_tokens, token_budget
+):
     """Greedy: token for token. (Sampled requests keep the target's distribution,
     not its exact draws: tests/engine/test_speculative_engine.py checks that.)"""
     weights = small_model(seed)
@@ -284,6 +302,7 @@ def test_speculative_decoding_is_the_spec_loop(workload, seed, speculate, num_dr
         speculate=speculate,
         num_draft=num_draft,
         draft_model=draft_model_of(weights) if speculate == "model" else None,
+        token_budget=token_budget,
     )
     check_all(engine, weights, *run_workload(engine, workload))
 

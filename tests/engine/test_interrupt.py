@@ -23,7 +23,7 @@ from tests.engine.test_cli import REPO, installed_command
 
 INTERRUPTED = "decodespec: interrupted"
 # What the command may print on stderr before it is interrupted: load progress.
-PROGRESS = ("loading ", "loaded ", "weights: ")  # the load, then what the weights hold
+PROGRESS = ("loading ", "loaded ", "path: ")  # the load, then what computes the answers
 TIMEOUT_S = 120
 
 

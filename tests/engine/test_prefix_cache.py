@@ -132,6 +132,7 @@ def test_shared_prefixes_give_each_request_its_spec_output(
         backend=backend,
         block_size=block_size,
         cache_tokens=blocks * block_size,
+        token_budget=data.draw(st.sampled_from((2, 5, None))),  # prompts in chunks, or whole
     )
     engine.block_manager.allocator.hash_fn = HASHES[hash_name]
     aborted = data.draw(st.sets(st.integers(0, len(workload) - 1), max_size=1))

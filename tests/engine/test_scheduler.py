@@ -52,8 +52,10 @@ def request(id: int, prompt_len: int, max_tokens: int = 8, num_draft: int | None
     )
 
 
-def scheduler(num_blocks: int, block_size: int = 4, num_draft: int = 0) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), MAX_CONTEXT, num_draft)
+def scheduler(
+    num_blocks: int, block_size: int = 4, num_draft: int = 0, token_budget: int | None = None
+) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), MAX_CONTEXT, num_draft, token_budget)
 
 
 def step(s: Scheduler, tokens: int = 7) -> list[Request]:
@@ -63,6 +65,19 @@ def step(s: Scheduler, tokens: int = 7) -> list[Request]:
         s.postprocess(r, PassOutcome(tokens=[tokens], logprobs=[None], candidates=[None],
                                      num_cached=r.length), now=0.0)  # fmt: skip
     return batch
+
+
+def chunked_step(s: Scheduler) -> list[tuple[int, int]]:
+    """One pass that caches what each request was scheduled to run; a request whose
+    pass reaches its sequence's end emits a token. Returns (id, tokens run) of each."""
+    batch = s.schedule()
+    for r in batch:
+        tokens = [7] if r.samples else []
+        outcome = PassOutcome(tokens=tokens, logprobs=[None] * len(tokens),
+                              candidates=[None] * len(tokens),
+                              num_cached=r.num_cached + r.num_scheduled)  # fmt: skip
+        s.postprocess(r, outcome, now=0.0)
+    return [(r.id, r.num_scheduled) for r in batch]
 
 
 def test_requests_are_admitted_first_come_first_served_while_blocks_last():
@@ -187,3 +202,52 @@ def test_requests_preempted_in_one_step_keep_their_admission_order(model):
     assert waiting_ids(engine) == [c, d, e]
     run_to_end(engine)
     assert [i for i, _ in admissions] == [a, b, c, d, c, d, e]
+
+
+# ---------------------------------------------------------------- chunked prefill
+
+
+def test_decoding_requests_run_first_and_a_long_prompt_takes_what_the_budget_leaves():
+    s = scheduler(num_blocks=16, token_budget=8)
+    a, b = request(0, 3), request(1, 20)
+    s.add(a)
+    assert chunked_step(s) == [(0, 3)]  # a's prompt whole; a emits its first token
+    s.add(b)
+    # a decodes every pass; b's prompt comes in chunks of what a leaves of the budget.
+    assert [chunked_step(s) for _ in range(3)] == [[(0, 1), (1, 7)]] * 2 + [[(0, 1), (1, 6)]]
+    assert (len(a.output_ids), len(b.output_ids)) == (4, 1)  # b's first token: its last chunk
+    assert b.num_cached == 20
+    assert chunked_step(s) == [(0, 1), (1, 1)]
+
+
+def test_a_prompt_chunk_emits_nothing_and_takes_no_drafts():
+    s = scheduler(num_blocks=16, num_draft=3, token_budget=4)
+    r = request(0, 6)
+    s.add(r)
+    batch = s.schedule()
+    assert (batch, r.num_scheduled, r.samples, r.draft_slots) == ([r], 4, False, 0)
+    assert r.scheduled_tokens() == [1, 2, 3, 4]
+    assert s.postprocess(r, PassOutcome(num_cached=4), now=0.0) == []
+    assert (r.num_cached, r.output_ids, r.target_passes) == (4, [], 0)
+    s.schedule()
+    assert (r.num_scheduled, r.samples, r.draft_slots) == (2, True, 3)
+
+
+def test_new_requests_are_admitted_only_while_the_budget_lasts():
+    s = scheduler(num_blocks=16, token_budget=4)
+    a, b = request(0, 6), request(1, 6)
+    s.add(a)
+    s.add(b)
+    assert chunked_step(s) == [(0, 4)]
+    assert (list(s.waiting), b.blocks) == ([b], [])  # no blocks held without running
+    assert chunked_step(s) == [(0, 2), (1, 2)]
+    assert chunked_step(s) == [(0, 1), (1, 3)]
+    assert chunked_step(s) == [(0, 1), (1, 1)]
+
+
+def test_without_a_budget_every_prompt_runs_whole():
+    s = scheduler(num_blocks=16)
+    a, b = request(0, 9), request(1, 20)
+    s.add(a)
+    s.add(b)
+    assert chunked_step(s) == [(0, 9), (1, 20)]

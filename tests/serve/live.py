@@ -13,7 +13,7 @@ from types import TracebackType
 
 import uvicorn
 
-from decodespec.reference.backend import SERVE_BACKEND
+from decodespec.reference.backend import DEFAULT_BACKEND
 from decodespec.reference.engine import Engine
 from decodespec.reference.loader import load_model
 from decodespec.reference.model_files import bundled_model_path
@@ -29,7 +29,7 @@ class LiveServer:
     def __init__(self, weights: str | None = None, **engine_options: object) -> None:
         """`weights`: the bundled model's weight format (`loader.load_model`'s)."""
         weights, tokenizer = load_model(bundled_model_path(), weights=weights)
-        engine_options.setdefault("backend", SERVE_BACKEND)  # as `decodespec serve` runs
+        engine_options.setdefault("backend", DEFAULT_BACKEND)  # as `decodespec serve` runs
         self.engine = Engine(weights, tokenizer, seed=0, **engine_options)
         self.tokenizer = tokenizer
         config = uvicorn.Config(

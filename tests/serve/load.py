@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from decodespec.reference.backend import SERVE_BACKEND
+from decodespec.reference.backend import DEFAULT_BACKEND
 from decodespec.reference.engine import Engine
 from decodespec.spec.forward import ModelWeights
 from decodespec.spec.params import SamplingParams
@@ -347,7 +347,7 @@ def in_process(
     prompts: Sequence[str],
     max_tokens: int = MAX_TOKENS,
     cache_tokens: int = 4096,
-    backend: str = SERVE_BACKEND,
+    backend: str = DEFAULT_BACKEND,
     **engine_options: object,
 ) -> float:
     """Aggregate output tokens/s of `prompts` (greedy, `ignore_eos`, `max_tokens` each)

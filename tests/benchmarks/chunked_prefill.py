@@ -1,0 +1,183 @@
+"""CPU benchmark of chunked prefill: `make bench-chunked` → results/chunked-prefill-cpu.json.
+
+Who waits for whom when prompts arrive, with the engine's token budget
+(`Engine(token_budget=...)`, `--token-budget`) and without one (every prompt
+whole in one pass), on the bundled model in its default format and backend
+(the engine in this process: the scheduler's effect, without HTTP):
+
+- **burst**: 16 short chat prompts added at once, 32 greedy tokens each: the
+  time to first token of each (p50, p99) against that of one such request
+  alone, and the aggregate output tokens/s;
+- **long prompt**: 4 requests decoding; a prompt of `LONG_PROMPT` tokens
+  arrives. The decode rate of the 4 while it is prefilled (their tokens over
+  the time from its arrival to its first token) against their rate before
+  it arrived, and its own time to first token.
+
+Each budget runs in every round (rounds interleaved, so that a slow spell of the
+machine falls on all) and keeps its best round. The issue's targets (41):
+TTFT p99 of the burst within ~2× the lone request's, and the decode rate kept
+while the long prompt arrives; missed targets are reported, not fatal.
+`--smoke` runs a few tokens, one round, two budgets: it checks the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from decodespec.reference.engine import DEFAULT_TOKEN_BUDGET, Engine
+from decodespec.reference.loader import load_model
+from decodespec.reference.model_files import bundled_model_path
+from decodespec.spec.params import SamplingParams
+from tests.benchmarks.gpu import print_targets, write_json
+from tests.benchmarks.test_cpu_engine import cpu_report_header
+from tests.serve import load
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = ROOT / "results" / "chunked-prefill-cpu.json"
+COMMAND = "python -m tests.benchmarks.chunked_prefill"
+BUDGETS = (None, 32, DEFAULT_TOKEN_BUDGET, 128, 256)
+BURST = 16
+DECODING = 4
+LONG_PROMPT = 2000
+SMOKE_NOTE = "--smoke: a few tokens, one round, two budgets; not measurements."
+
+
+def chat_ids(tokenizer: object, text: str) -> list[int]:
+    """A prompt as `decodespec generate` sends it: the chat template."""
+    wrapped = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(wrapped, add_special_tokens=False)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def burst(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts added at once; each one's TTFT and the aggregate output tokens/s."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - start
+    outputs = [engine.release(i) for i in ids]
+    ttfts = [o.ttft_s * 1e3 for o in outputs]
+    return {
+        "ttft_ms_p50": statistics.median(ttfts),
+        "ttft_ms_p99": percentile(ttfts, 0.99),
+        "output_tokens_per_s": sum(o.completion_tokens for o in outputs) / seconds,
+    }
+
+
+def long_prompt(engine: Engine, short: list[list[int]], long: list[int], max_tokens: int) -> dict:
+    """`short` requests decoding, then `long` arrives: their decode rate before it and
+    while it is prefilled, and its TTFT."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    running = [engine.add_request(p, params) for p in short]
+    while any(not engine.output(i).token_ids for i in running):  # every one decoding
+        engine.step()
+    before = _decode_rate(engine, running, steps=8)
+    arrival = time.perf_counter()
+    tokens_at_arrival = sum(len(engine.output(i).token_ids) for i in running)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    newcomer = engine.add_request(long, one)
+    while not engine.output(newcomer).token_ids:
+        engine.step()
+    during_s = time.perf_counter() - arrival
+    during = sum(len(engine.output(i).token_ids) for i in running) - tokens_at_arrival
+    for i in running:
+        engine.abort(i)
+    while engine.has_unfinished():
+        engine.step()
+    ttft = engine.release(newcomer).ttft_s
+    for i in running:
+        engine.release(i)
+    return {
+        "decode_tokens_per_s_before": before,
+        "decode_tokens_per_s_during": during / during_s,
+        "long_prompt_ttft_ms": ttft * 1e3,
+    }
+
+
+def _decode_rate(engine: Engine, running: list[int], steps: int) -> float:
+    start_tokens = sum(len(engine.output(i).token_ids) for i in running)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    tokens = sum(len(engine.output(i).token_ids) for i in running) - start_tokens
+    return tokens / (time.perf_counter() - start)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="checks the command only")
+    args = parser.parse_args(argv)
+    budgets = (None, DEFAULT_TOKEN_BUDGET) if args.smoke else BUDGETS
+    rounds, max_tokens = (1, 4) if args.smoke else (args.rounds, 32)
+    long_tokens = 200 if args.smoke else LONG_PROMPT
+    weights, tokenizer = load_model(bundled_model_path(), weights="auto")
+    prompts = [chat_ids(tokenizer, text) for text in load.PROMPTS[:BURST]]
+    filler = tokenizer.encode(" ".join(load.PROMPTS) * 40)
+    long = filler[:long_tokens]
+    engines = {b: Engine(weights, tokenizer, seed=0, token_budget=b) for b in budgets}
+    path = engines[DEFAULT_TOKEN_BUDGET].path
+    with torch.inference_mode():
+        burst(engines[None], prompts[:2], 2)  # warm up (the native step's first call)
+        runs: dict[int | None, list[dict]] = {b: [] for b in budgets}
+        for round_ in range(rounds):
+            for budget, engine in engines.items():
+                result = {
+                    "alone_ttft_ms": burst(engine, prompts[:1], max_tokens)["ttft_ms_p50"],
+                    **burst(engine, prompts, max_tokens),
+                    **long_prompt(engine, prompts[:DECODING], long, 10_000),
+                }
+                runs[budget].append(result)
+                print(f"  round {round_ + 1}/{rounds} budget {budget}: {result}", file=sys.stderr)
+    best = {b: min(rs, key=lambda r: r["ttft_ms_p99"]) for b, rs in runs.items()}
+    report = {
+        **cpu_report_header("chunked prefill", COMMAND, SMOKE_NOTE if args.smoke else None),
+        "model": "SmolLM2-135M-Instruct (bundled GGUF, its own format)",
+        "path": path,
+        "burst": {
+            "requests": BURST,
+            "max_tokens": max_tokens,
+            "prompt_tokens": [len(p) for p in prompts],
+        },
+        "long_prompt": {"tokens": len(long), "decoding_requests": DECODING},
+        "rounds": rounds,
+        "kept": "each budget's round with the lowest burst TTFT p99",
+        "budgets": [{"token_budget": b, **best[b]} for b in budgets],
+    }
+    default = best[DEFAULT_TOKEN_BUDGET]
+    during, before = default["decode_tokens_per_s_during"], default["decode_tokens_per_s_before"]
+    report["targets"] = [
+        {"target": f"burst TTFT p99 at most 2x one request's (budget {DEFAULT_TOKEN_BUDGET})",
+         "met": default["ttft_ms_p99"] <= 2 * default["alone_ttft_ms"]},
+        {"target": "decode rate while the long prompt arrives at least half of before",
+         "met": during >= 0.5 * before},
+    ]  # fmt: skip
+    write_json(args.out, report)
+    print(f"{'budget':>8} {'alone':>8} {'p50':>8} {'p99':>8} {'tok/s':>7} "
+          f"{'dec before':>10} {'dec during':>10} {'long TTFT':>10}")  # fmt: skip
+    for b in budgets:
+        r = best[b]
+        print(f"{b or 'whole':>8} {r['alone_ttft_ms']:8.0f} {r['ttft_ms_p50']:8.0f} "
+              f"{r['ttft_ms_p99']:8.0f} {r['output_tokens_per_s']:7.1f} "
+              f"{r['decode_tokens_per_s_before']:10.1f} {r['decode_tokens_per_s_during']:10.1f} "
+              f"{r['long_prompt_ttft_ms']:10.0f}")  # fmt: skip
+    print_targets(report["targets"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
