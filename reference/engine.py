@@ -95,7 +95,8 @@ class Engine:
             (`batch_invariance.py`).
         token_budget: about how many tokens a pass runs (chunked prefill,
             `scheduler.py`): decoding requests one each, prompts in chunks of
-            what is left; None runs every prompt whole in one pass.
+            what is left; None runs every prompt whole in one pass, as naive
+            and batch-invariant engines always do.
 
     Example (see `generate` for one request):
         >>> engine = Engine(weights, tokenizer)                    # doctest: +SKIP
@@ -135,6 +136,10 @@ class Engine:
         self.num_draft = _check_int("num_draft", num_draft, 1)
         if token_budget is not None:
             _check_int("token_budget", token_budget, 1)
+        # Prompts whole: naive passes recompute every sequence anyway, and in batch-
+        # invariant mode a row's attention bits depend on its pass's query count
+        # (ATTN-INVARIANT-1), so a prompt cut into other chunks would change them.
+        self.token_budget = None if naive or batch_invariant else token_budget
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -184,9 +189,9 @@ class Engine:
             self.block_manager,
             self.config.max_context,
             num_draft=self.num_draft if self.drafter is not None else 0,
-            token_budget=None if naive else token_budget,  # naive passes recompute all
+            token_budget=self.token_budget,
         )
-        self.path = self._describe_path(token_budget if not naive else None)
+        self.path = self._describe_path(self.token_budget)
         self.requests: dict[int, Request] = {}
         # What each `generate` stream has yet to yield.
         self._streams: dict[int, deque[RequestStepOutput]] = {}
