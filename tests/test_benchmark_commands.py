@@ -7,7 +7,9 @@ tiny random model, and so does the prefix-caching one; the serving benchmark's
 `--smoke` serves the bundled model to a few clients for a few tokens, and the
 structured-outputs one runs 4 prompts of the bundled model for a few tokens, and
 the weight-formats one decodes a few tokens in each format (and with llama.cpp)
-and scores one short window.
+and scores one short window, and the one against llama.cpp runs its decodespec
+side and llama-cpp-python in-process for a few tokens (not llama-server, which
+it would build).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ PREFIX = [sys.executable, "-m", "tests.benchmarks.prefix"]
 STRUCTURED = [sys.executable, "-m", "tests.benchmarks.structured"]
 QUANT = [sys.executable, "-m", "tests.benchmarks.quant"]
 QUANT_LINEAR = [sys.executable, "-m", "tests.benchmarks.quant_linear"]
+VERSUS_LLAMA = [sys.executable, "-m", "tests.benchmarks.versus_llama"]
 GPU_CHECK = [sys.executable, "-m", "tests.benchmarks.gpu_check"]
 GPU_ENGINE = [sys.executable, "-m", "tests.benchmarks.gpu_engine"]
 
@@ -386,3 +389,41 @@ def test_quant_benchmark_smoke(tmp_path):
     assert scores["float32"]["kl_max"] == 0 and scores["float32"]["top1_agreement"] == 1
     assert all(scores[name]["kl_mean"] > 0 for name in ("bfloat16", "int8", "int4"))
     assert [t["met"] in (True, False) for t in report["targets"]] == [True, True]
+
+
+def test_versus_llama_benchmark_smoke(tmp_path):
+    """Decode and prefill beside llama-cpp-python, and `decodespec serve` (its defaults)
+    at 1, 4 and 16 streams; llama-server skipped, its columns empty, its targets unmeasured."""
+    from docs.tools.performance import versus_llama_section
+
+    out = tmp_path / "results" / "versus-llama-cpu.json"
+    result = run([*VERSUS_LLAMA, "--smoke", "--skip-llama-server", "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and "not measurements" in report["note"]
+    assert report["command"].startswith("python -m tests.benchmarks.versus_llama --smoke")
+    assert {"python", "torch", "llama-cpp-python"} <= set(report["software"])
+    assert report["llama_server_build"] is None and report["llama_server"] is None
+    assert report["llama_server_skipped"] == "--skip-llama-server"
+    for stage in ("decode", "prefill"):
+        for key in ("decodespec_tokens_per_s", "llama_cpp_tokens_per_s", "ratio"):
+            assert is_finite_number(report[stage][key]) and report[stage][key] > 0, (stage, key)
+    server = report["decodespec"]["server"]
+    assert any(line.startswith("serving ") for line in server["stderr"]), server["stderr"]
+    assert server["check"]["usage"]["completion_tokens"] == report["serving"]["max_tokens"]
+    levels = report["serving"]["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 4, 16]
+    for level in levels:
+        ours = level["decodespec"]
+        assert ours["completed"] == ours["requests"] == level["requests"]
+        assert ours["output_tokens"] == ours["requests"] * report["serving"]["max_tokens"]
+        assert level["llama-server"] is None and level["ratio"] is None
+    assert set(report["ratios"]) == {"decode", "prefill", "serving_1", "serving_4", "serving_16"}
+    met = {target["key"]: target["met"] for target in report["targets"]}
+    assert met["serving_4"] is None and met["serving_16"] is None
+    assert met["decode"] in (True, False) and met["prefill"] in (True, False)
+    assert "decode tok/s" in result.stdout and "not measured" in result.stdout
+
+    section = versus_llama_section(report)
+    assert "Smoke run" in section and report["date"] in section
+    assert "| serving tok/s, 16 streams (16 requests) |" in section

@@ -19,6 +19,7 @@ ATTENTION_FILE = "attention-gpu.json"
 SAMPLING_FILE = "sampling-gpu.json"
 SPECULATIVE_FILE = "cpu-speculative.json"
 SERVE_FILE = "serve-cpu.json"
+VERSUS_LLAMA_FILE = "versus-llama-cpu.json"
 PREFIX_FILE = "prefix-cpu.json"
 STRUCTURED_FILE = "structured-cpu.json"
 PREFIX_FIGURE = f"{FIGURES}/ttft-prefix-cache.svg"
@@ -270,6 +271,115 @@ def serve_section(report: dict | None) -> str:
         + f"{report['in_process_concurrency']} requests added at once (best of its rounds): "
         + f"{report['in_process_tokens_per_s']:.1f} tok/s.\n\n"
         + "### Targets\n\n"
+        + targets_list(report["targets"])
+    )
+
+
+def ratio_cell(value: float | None) -> str:
+    """decodespec over llama.cpp ("1.20×"), or a dash where llama.cpp did not run."""
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def versus_llama_section(report: dict | None) -> str:
+    """decodespec against llama.cpp on the same GGUF: decode, prefill and serving."""
+    heading = "## Against llama.cpp on a CPU\n\n"
+    if report is None:
+        return heading + not_measured(VERSUS_LLAMA_FILE, "make bench-llama").replace(
+            " on a GPU", ""
+        )
+    environment = cpu_environment(report)
+    decode, prefill, serving = report["decode"], report["prefill"], report["serving"]
+    ours = report["decodespec"]
+    defaults = ours["serve_defaults"]
+    build = report.get("llama_server_build")
+    server = report.get("llama_server")
+    llama_server = (
+        f"llama.cpp's `llama-server` ({build['package']}: llama.cpp {build['llama_cpp_tag']}, "
+        f"built from source for this CPU; {server['slots']} slots, continuous batching)"
+        if build and server
+        else f"llama.cpp's `llama-server`, which did not run ({report['llama_server_skipped']})"
+    )
+    rows = [
+        [
+            f"decode tok/s (one stream, {decode['decode_tokens']} tokens)",
+            f"{decode['decodespec_tokens_per_s']:.1f}",
+            f"{decode['llama_cpp_tokens_per_s']:.1f}",
+            ratio_cell(decode["ratio"]),
+        ],
+        [
+            f"prefill tok/s ({prefill['prompt_tokens']}-token prompt)",
+            f"{prefill['decodespec_tokens_per_s']:.0f}",
+            f"{prefill['llama_cpp_tokens_per_s']:.0f}",
+            ratio_cell(prefill["ratio"]),
+        ],
+    ]
+    latency = []
+    for level in serving["levels"]:
+        theirs = level["llama-server"]
+        rows.append(
+            [
+                f"serving tok/s, {level['concurrency']} stream"
+                + ("s" if level["concurrency"] > 1 else "")
+                + f" ({level['requests']} requests)",
+                f"{level['decodespec']['output_tokens_per_s']:.1f}",
+                "–" if theirs is None else f"{theirs['output_tokens_per_s']:.1f}",
+                ratio_cell(level["ratio"]),
+            ]
+        )
+        latency.append(
+            [
+                str(level["concurrency"]),
+                milliseconds(level["decodespec"]["ttft_ms"]),
+                "–" if theirs is None else milliseconds(theirs["ttft_ms"]),
+                milliseconds(level["decodespec"]["itl_ms"]),
+                "–" if theirs is None else milliseconds(theirs["itl_ms"]),
+            ]
+        )
+    software = report["software"]
+    busy = report.get("load_average", {}).get("before", [0.0])[0]
+    noisy = (
+        f'!!! warning "A busy machine"\n\n    Measured while other work kept the machine busy '
+        f"(load average {busy:.1f} on {report['cores']} cores): the numbers are noisy "
+        "(both engines' threads wait on each other at every step, and stall when others hold "
+        "the cores); rerun `make bench-llama` on a quiet machine for a comparison.\n\n"
+        if busy > 0.5 * report["cores"] and not report.get("smoke")
+        else ""
+    )
+    return (
+        heading
+        + smoke_warning(report)
+        + noisy
+        + f"{measured_on(environment, report['command'])}"
+        + f" **llama.cpp:** llama-cpp-python {software.get('llama-cpp-python', '?')} "
+        + "in-process"
+        + (f", {build['package']} for `llama-server`" if build else "")
+        + ".\n\n"
+        + f"Model: {report['model']}, the same file and {report['threads']} threads for both. "
+        + f"decodespec as `decodespec serve` runs by default: weights `{defaults['weights']}` "
+        + f"({ours['in_process_engine']['layout']}), backend `{defaults['backend']}`. "
+        + "Decode: one greedy stream in-process after the same "
+        + f"{decode['prompt_tokens']}-token prompt ids, tokens after the first over their "
+        + f"time; prefill: a {prefill['prompt_tokens']}-token prompt from an empty cache to its "
+        + "first token, in-process (llama.cpp through llama-cpp-python). Serving: "
+        + "`decodespec serve` against "
+        + f"{llama_server}, the same "
+        + f"streamed `/v1/completions` ({serving['sampling']}, {serving['max_tokens']} tokens "
+        + f"each, {serving['prompts']} short prompts) from the same clients; each request must "
+        + f"return exactly that many tokens. Statistic: the best of {report['rounds']} interleaved "
+        + "rounds. Ratio: decodespec over llama.cpp (above 1, decodespec is faster).\n\n"
+        + table(["", "decodespec", "llama.cpp", "ratio"], rows)
+        + "\n\nServing latency, p50 / p99 in milliseconds, as the clients see it:\n\n"
+        + table(
+            [
+                "streams",
+                "TTFT decodespec",
+                "TTFT llama-server",
+                "ITL decodespec",
+                "ITL llama-server",
+            ],
+            latency,
+        )
+        + "\n\n### Targets\n\n"
         + targets_list(report["targets"])
     )
 
@@ -802,6 +912,7 @@ def performance_page(results_dir: Path = RESULTS_DIR) -> str:
         cpu_section(read_json(results_dir / CPU_FILE)),
         speculative_section(read_json(results_dir / SPECULATIVE_FILE)),
         serve_section(read_json(results_dir / SERVE_FILE)),
+        versus_llama_section(read_json(results_dir / VERSUS_LLAMA_FILE)),
         prefix_section(read_json(results_dir / PREFIX_FILE)),
         structured_section(read_json(results_dir / STRUCTURED_FILE)),
         quant_section(read_json(results_dir / QUANT_FILE), link=True),
