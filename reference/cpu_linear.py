@@ -26,11 +26,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import fields, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from decodespec.spec.forward import LayerWeights, ModelWeights
-from decodespec.spec.quant import QuantizedWeight, unpack_codes
+from decodespec.spec.quant import QuantizedWeight
 
 from .weight_formats import map_quantized
 
@@ -38,6 +39,55 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPE = torch.bfloat16
 ROW_PACK = 16  # the int4 kernel's rows per packed tile
 INT8_COLUMNS = 16  # the int8 kernel's columns per step
+# byte -> its two 4-bit codes as two int32, low nibble first (QUANT-CODES-1's order),
+# held as one int64 so that a lookup copies one machine word
+_NIBBLE_PAIRS = np.array([[b & 0x0F, b >> 4] for b in range(256)], dtype=np.int32).view(np.int64)
+
+
+def int4_codes(qweight: Tensor) -> Tensor:
+    """`spec.quant.unpack_codes(qweight, 4)`: the int32 codes `[N, K]` the int4 packing
+    op takes, by one table lookup per byte (torch's stack and casts took seconds on
+    the bundled model's projections)."""
+    pairs = np.take(_NIBBLE_PAIRS[:, 0], qweight.numpy())  # int64 [N, K / 2]
+    return torch.from_numpy(pairs.view(np.int32)).reshape(qweight.shape[0], -1)
+
+
+def _numpy(tensor: Tensor) -> np.ndarray:
+    """A CPU tensor's values as numpy. Packing works in numpy but for PyTorch's own
+    conversions: each torch operation on a large tensor is a parallel region, and on a
+    2-core machine other processes also use, each region waited milliseconds for a
+    descheduled worker thread (see `gguf_fast`): packing the bundled model took
+    seconds of waiting for a fraction of a second of work."""
+    return tensor.detach().numpy()
+
+
+def to_bfloat16(array: np.ndarray) -> Tensor:
+    """float32 `array` as a contiguous bfloat16 tensor, as `Tensor.to(torch.bfloat16)`
+    rounds it (to nearest, ties to even: `(u + 0x7FFF + ((u >> 16) & 1)) >> 16` on the
+    bits `u`), computed in numpy. An array holding a NaN goes to torch itself, whose
+    NaN bits depend on the path it takes (0x7FC0 in its scalar code, 0xFFFF in its
+    AVX2 code)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if np.isnan(array).any():
+        return torch.from_numpy(array).to(KERNEL_DTYPE)
+    bits = array.view(np.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    return torch.from_numpy(rounded.astype(np.uint16).view(np.int16)).view(KERNEL_DTYPE)
+
+
+def _padded(array: np.ndarray, rows: int) -> np.ndarray:
+    """`array` with zero rows appended up to `rows`."""
+    if array.shape[0] == rows:
+        return array
+    padding = np.zeros((rows - array.shape[0], *array.shape[1:]), array.dtype)
+    return np.concatenate([array, padding])
+
+
+def _concatenate(tensors: list[Tensor]) -> Tensor:
+    """`torch.cat(tensors)`, by numpy for the dtypes it has (bfloat16 it has not)."""
+    if any(t.dtype == torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+        return torch.cat(tensors)
+    return torch.from_numpy(np.concatenate([_numpy(t) for t in tensors]))
 
 
 def check_layout(weight: QuantizedWeight) -> None:
@@ -66,18 +116,18 @@ class CpuInt4Linear:
         check_layout(weight)
         rows, columns = weight.shape
         padded = -(-rows // ROW_PACK) * ROW_PACK
-        codes = unpack_codes(weight.qweight, 4)
-        scales = weight.scales.float()
-        zeros = weight.offsets.float() + 8 * scales
-        if padded != rows:
-            codes = torch.cat([codes, codes.new_zeros(padded - rows, columns)])
-            scales = torch.cat([scales, scales.new_zeros(padded - rows, scales.shape[1])])
-            zeros = torch.cat([zeros, zeros.new_zeros(padded - rows, zeros.shape[1])])
+        # numpy beside the one conversion op: see `_numpy`
+        scales = _numpy(weight.scales.float())
+        zeros = _numpy(weight.offsets.float()) + np.float32(8) * scales
+        codes = _padded(int4_codes(weight.qweight).numpy(), padded)
         self.shape = (rows, columns)
         self.group_size = weight.group_size
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes), 1)
         # [K / G, N, 2]: the kernel's layout of (scale, zero) per group and row
-        self.scale_and_zero = torch.stack([scales.T, zeros.T], dim=-1).to(KERNEL_DTYPE).contiguous()
+        pairs = np.empty((scales.shape[1], padded, 2), np.float32)
+        pairs[..., 0] = _padded(scales, padded).T
+        pairs[..., 1] = _padded(zeros, padded).T
+        self.scale_and_zero = to_bfloat16(pairs)
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +160,7 @@ class CpuInt8Linear:
         self.shape = (rows, columns)
         self.group_size = columns
         self.qweight = weight.qweight.contiguous()
-        self.scales = weight.scales[:, 0].to(KERNEL_DTYPE).contiguous()
+        self.scales = to_bfloat16(_numpy(weight.scales[:, 0].float()).copy())
 
     @property
     def nbytes(self) -> int:
@@ -145,9 +195,9 @@ class SharedInput:
     def __init__(self, weights: list[QuantizedWeight]) -> None:
         first = weights[0]
         stacked = QuantizedWeight(
-            torch.cat([w.qweight for w in weights]),
-            torch.cat([w.scales for w in weights]),
-            torch.cat([w.offsets for w in weights]),
+            _concatenate([w.qweight for w in weights]),
+            _concatenate([w.scales for w in weights]),
+            _concatenate([w.offsets for w in weights]),
             first.group_size,
             first.bits,
         )

@@ -2,7 +2,8 @@
 
 `read_gguf_checkpoint` turns an open GGUF file (`gguf_file.GGUFFile`) into
 what `loader` assembles: a `ModelConfig` from the `{arch}.*` metadata, and
-every tensor dequantized to float32, un-permuted where llama.cpp's converter
+every tensor dequantized to float32 (or, for a format that keeps a tensor's
+own blocks, those blocks), un-permuted where llama.cpp's converter
 permuted it (`llama` Q and K, FWD-ROPE-1), and renamed from llama.cpp's names
 to Hugging Face's through `gguf.TensorNameMap`.
 """
@@ -24,20 +25,25 @@ from .hf_checkpoint import EMBEDDING, OUTPUT, layer_tensor_name, tensor_names
 from .weight_formats import GGUFBlocks
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64, torch.uint8)
 
 
 class GGUFCheckpoint(NamedTuple):
     """A GGUF file's model, read (see `read_gguf_checkpoint`)."""
 
     config: ModelConfig
-    tensors: dict[str, Tensor]  # float32, by Hugging Face name
+    tensors: dict[str, Tensor]  # float32, by Hugging Face name (meta for blocks only)
     spelling: dict[str, str]  # Hugging Face name -> the file's own name, for messages
     blocks: dict[str, GGUFBlocks]  # raw blocks of the tensors of `keep_types`, by HF name
     types: dict[str, str]  # each tensor's GGUF type ("Q4_1", "F32", ...), by HF name
 
 
 def read_gguf_checkpoint(
-    file: GGUFFile, *, progress: Callable[[str], None], keep_types: tuple[str, ...] = ()
+    file: GGUFFile,
+    *,
+    progress: Callable[[str], None],
+    keep_types: tuple[str, ...] = (),
+    blocks_only: Callable[[str, str], bool] | None = None,
 ) -> GGUFCheckpoint:
     """The config and the tensors of a GGUF file with `general.architecture` llama or qwen2.
 
@@ -45,8 +51,13 @@ def read_gguf_checkpoint(
         file: the open file.
         progress: called with a message every few tensors.
         keep_types: GGUF tensor types (`"Q4_1"`, ...) whose raw blocks are
-            returned too (copied out of the memory map, rows un-permuted
-            like the dequantized tensors), for formats that keep them.
+            returned too (views of the file, rows un-permuted like the
+            dequantized tensors), for formats that keep them.
+        blocks_only: called with a Hugging Face name and a type name; a kept
+            tensor for which it is true is not dequantized (a format that
+            keeps its blocks never reads its values: dequantizing the
+            bundled file's Q4_1 projections took most of an int4 load):
+            `tensors` holds a meta-device placeholder of its shape instead.
 
     Raises:
         ValueError: another architecture, llama.cpp's `rope_freqs` tensor, a
@@ -67,27 +78,30 @@ def read_gguf_checkpoint(
         )
     config = config_from_gguf(file, architecture)
     spelling = gguf_tensor_names(architecture, config.num_layers, tensor_names(config.num_layers))
-    hf_name = {gguf_name: name for name, gguf_name in spelling.items()}
-    tensors = {
-        hf_name.get(name, name): tensor
-        for name, tensor in dequantize_tensors(file, progress=progress).items()
+    hf_names = {gguf_name: name for name, gguf_name in spelling.items()}
+    named = [(hf_names.get(tensor.name, tensor.name), tensor) for tensor in file.tensors]
+    kept = [
+        (name, tensor)
+        for name, tensor in named
+        if tensor.type_name in keep_types and len(tensor.dims) == 2
+    ]
+    placeholders = {
+        tensor.name: torch.empty(tensor.shape, device="meta")
+        for name, tensor in kept
+        if blocks_only is not None and blocks_only(name, tensor.type_name)
     }
+    dense = dequantize_tensors(file, progress=progress, skip=placeholders)
+    tensors = {name: placeholders.get(t.name, dense.get(t.name)) for name, t in named}
     blocks = {
-        hf_name.get(tensor.name, tensor.name): GGUFBlocks(
-            torch.from_numpy(np.array(tensor.data)), tensor.tensor_type.name, int(tensor.shape[0])
-        )
-        for tensor in file.reader.tensors
-        if tensor.tensor_type.name in keep_types and len(tensor.data.shape) == 2
+        name: GGUFBlocks(file.tensor_data(tensor), tensor.type_name, tensor.dims[0])
+        for name, tensor in kept
     }
     if architecture == "llama":
         unpermute_llama_qk(tensors, config)
         unpermuted = {name: block.data for name, block in blocks.items()}
         unpermute_llama_qk(unpermuted, config)
         blocks = {name: replace(block, data=unpermuted[name]) for name, block in blocks.items()}
-    types = {
-        hf_name.get(tensor.name, tensor.name): tensor.tensor_type.name
-        for tensor in file.reader.tensors
-    }
+    types = {name: tensor.type_name for name, tensor in named}
     return GGUFCheckpoint(config, tensors, spelling, blocks, types)
 
 
@@ -153,9 +167,9 @@ def _gguf_vocab_size(file: GGUFFile, prefix: str, embedding: str) -> int:
     tokens = file.array_length("tokenizer.ggml.tokens")
     if tokens is not None:
         return tokens
-    for tensor in file.reader.tensors:
+    for tensor in file.tensors:
         if tensor.name == embedding:
-            return int(tensor.shape[-1])  # GGUF lists dimensions innermost first
+            return int(tensor.dims[-1])  # GGUF lists dimensions innermost first
     raise ValueError(f"{file.source}: cannot tell the vocabulary size (no {prefix}vocab_size)")
 
 
@@ -181,6 +195,11 @@ def unpermute_rope_rows(weight: Tensor, num_heads: int) -> Tensor:
         raise ValueError(f"{rows} rows cannot be split into {num_heads} heads of even size")
     half = rows // num_heads // 2
     rest = weight.shape[1:]
+    if weight.device.type == "cpu" and weight.dtype in _NUMPY_DTYPES and not weight.requires_grad:
+        # the same copy by numpy: a torch copy is a parallel region per tensor, each
+        # waiting milliseconds on a busy 2-core machine (see `gguf_fast`)
+        values = weight.numpy().reshape(num_heads, half, 2, *rest).swapaxes(1, 2)
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(weight.shape))
     return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 

@@ -2,17 +2,23 @@
 
 The one module that opens GGUF files. The weights (`gguf_checkpoint.py`) and
 the tokenizer (`tokenizer_gguf.py`) are read through it, so that one opened
-file serves both (`loader.load_model`: opening maps the file and parses its
-header, which takes seconds) and every error names the file and the key.
+file serves both (`loader.load_model`) and every error names the file and the key.
 
-What it reads, and what it leaves to the `gguf` package:
+What it reads, and what it leaves to others:
 
-- `open_gguf`: a `GGUFFile`, the package's `gguf.GGUFReader` with the name
-  errors give the file; an unreadable file is a `ValueError` chained to the
-  parser's own error.
+- `open_gguf`: a `GGUFFile`, the file memory-mapped and its header parsed
+  by `gguf_parse.parse_header` (tens of milliseconds; the `gguf` package's
+  `GGUFReader` took seconds, and one already open is still accepted); an
+  unreadable file is a `ValueError` naming it, chained to the parser's error.
 - `GGUFFile.integer / number / string / ...`: metadata values checked for
   their type, with defaults; a per-layer integer list must hold one value.
-- `dequantize_tensors`: every tensor as float32, in torch's dimension order.
+- `GGUFFile.tensor_data`: a tensor's raw bytes, `[rows, row_bytes]` uint8,
+  without a copy.
+- `dequantize_tensors`: tensors as float32, in torch's dimension order: the
+  types `decodespec.spec.gguf_blocks` defines (F32, F16, BF16, Q8_0, Q4_0,
+  Q4_1, Q4_K, Q6_K) by vectorized code (`gguf_fast`, the spec's own for
+  Q6_K), any other by the `gguf` package's numpy code; bit for bit what the
+  package computes.
 - `gguf_tensor_names`: the GGUF name of each Hugging Face tensor name, from
   `gguf.TensorNameMap` (the table llama.cpp's own converter uses), so the
   loader assembles both formats under one naming.
@@ -24,8 +30,9 @@ What it reads, and what it leaves to the `gguf` package:
 
 from __future__ import annotations
 
+import mmap
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +41,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from decodespec.spec.gguf_blocks import BLOCK_TYPES, dequantize_gguf
+
+from .gguf_fast import FAST_DEQUANTIZE, dequantize_fast
+from .gguf_parse import STRING, GGUFHeader, TensorInfo, decode_value, parse_header
+
 GGUF_MAGIC = b"GGUF"
 PROGRESS_EVERY = 16  # tensors between two progress messages of `dequantize_tensors`
+# the GGUF value types (gguf.GGUFValueType) whose elements are read as these Python types
+_ELEMENT_TYPES = {int: (0, 1, 2, 3, 4, 5, 10, 11), str: (STRING,)}
+# numpy's dtype of the tensor types GGUFReader reads as typed arrays, not bytes
+_TYPED = {"F16": "f2", "F32": "f4", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
 
 
 def looks_like_gguf(path: Path) -> bool:
@@ -46,45 +62,73 @@ def looks_like_gguf(path: Path) -> bool:
         return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GGUFFile:
     """An open GGUF file and how error messages name it.
 
     Args:
-        reader: the `gguf.GGUFReader` over the file's memory map.
-        source: the file's path, or "the GGUF file" for a reader opened by
-            someone else (it does not know its path).
+        header: its parsed header (metadata, tensor infos).
+        buffer: the file's bytes (a memory map).
+        source: the file's path, or "the GGUF file" for a `gguf.GGUFReader`
+            opened by someone else (it does not know its path).
     """
 
-    reader: gguf.GGUFReader
+    header: GGUFHeader
+    buffer: memoryview
     source: Path | str
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        """The file's tensors, in the file's order."""
+        return self.header.tensors
 
     @property
     def tensor_names(self) -> set[str]:
         """The names of the file's tensors (GGUF spelling: `blk.0.attn_q.weight`)."""
-        return {tensor.name for tensor in self.reader.tensors}
+        return {tensor.name for tensor in self.header.tensors}
+
+    def tensor_data(self, tensor: TensorInfo) -> Tensor:
+        """The raw bytes of `tensor`, uint8 `[rows, row_bytes]` (rows: every dimension but
+        the innermost), a view of the file where it is writable (a private memory map),
+        else a copy (a `gguf.GGUFReader`'s read-only map)."""
+        rows = 1
+        for dim in tensor.dims[1:]:
+            rows *= dim
+        shape = (rows, tensor.nbytes // rows if rows else 0)
+        if self.buffer.readonly:
+            view = np.frombuffer(self.buffer, np.uint8, tensor.nbytes, tensor.offset)
+            return torch.from_numpy(view.copy()).reshape(shape)
+        if tensor.nbytes == 0:
+            return torch.empty(shape, dtype=torch.uint8)
+        data = torch.frombuffer(
+            self.buffer, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.offset
+        )
+        return data.reshape(shape)
 
     def has(self, key: str) -> bool:
         """Whether metadata `key` is present."""
-        return key in self.reader.fields
+        return key in self.header.fields
 
     def array_length(self, key: str) -> int | None:
         """The number of elements of array metadata `key` (without decoding them), or None."""
-        field = self.reader.fields.get(key)
-        return None if field is None else len(field.data)
+        field = self.header.fields.get(key)
+        if field is None:
+            return None
+        items = getattr(field[1], "items", None)
+        return 1 if items is None else len(items)
 
     def value(self, key: str) -> object:
         """The value of metadata `key` (a scalar, a string or a list), None if absent.
 
         Raises:
-            ValueError: the value cannot be decoded.
+            ValueError: the value cannot be decoded (a string that is not UTF-8).
         """
-        field = self.reader.fields.get(key)
+        field = self.header.fields.get(key)
         if field is None:
             return None
         try:
-            return field.contents()
-        except Exception as error:  # gguf raises many types on bad input
+            return decode_value(*field)
+        except UnicodeDecodeError as error:
             raise ValueError(
                 f"{self.source}: GGUF metadata {key} is unreadable: {error}"
             ) from error
@@ -159,6 +203,9 @@ class GGUFFile:
         value = self.value(key)
         if value is None:
             return None
+        field = self.header.fields[key][1]
+        if getattr(field, "element_type", None) in _ELEMENT_TYPES.get(element, ()):
+            return value  # every element read as `element` (a vocabulary: no need to look)
         kinds = (int, np.integer) if element is int else (element,)
         if not isinstance(value, list) or not all(
             isinstance(v, kinds) and not isinstance(v, bool) for v in value
@@ -172,6 +219,11 @@ class GGUFFile:
 def open_gguf(file: GGUFFile | gguf.GGUFReader | str | os.PathLike[str]) -> GGUFFile:
     """Open a GGUF file (or wrap a reader already open, or pass a `GGUFFile` through).
 
+    The file is memory-mapped (privately: tensors are views of it, and
+    nothing is ever written to it) and its header parsed
+    (`gguf_parse.parse_header`); a `gguf.GGUFReader`'s bytes are parsed the
+    same way.
+
     Raises:
         FileNotFoundError: no file at the path.
         ValueError: not a path or reader, or not a readable GGUF file (bad
@@ -180,59 +232,96 @@ def open_gguf(file: GGUFFile | gguf.GGUFReader | str | os.PathLike[str]) -> GGUF
     if isinstance(file, GGUFFile):
         return file
     if isinstance(file, gguf.GGUFReader):
-        return GGUFFile(file, "the GGUF file")
+        return _parsed(memoryview(file.data).cast("B"), "the GGUF file")
     if not isinstance(file, (str, os.PathLike)):
         raise ValueError(f"expected a gguf.GGUFReader or a path, got {type(file).__name__}")
     path = Path(file)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
-        return GGUFFile(gguf.GGUFReader(path, "r"), path)
-    except Exception as error:  # gguf/numpy raise many types on bad input
+        with path.open("rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as error:  # an empty file cannot be mapped
         raise ValueError(f"{path}: not a readable GGUF file: {error}") from error
+    return _parsed(memoryview(mapped), path)
+
+
+def _parsed(buffer: memoryview, source: Path | str) -> GGUFFile:
+    try:
+        return GGUFFile(parse_header(buffer), buffer, source)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{source}: not a readable GGUF file: {error}") from error
 
 
 # --------------------------------------------------------------------------------------
 # Tensors.
 
 
-def dequantize_tensors(file: GGUFFile, *, progress: Callable[[str], None]) -> dict[str, Tensor]:
-    """Every tensor of the file by its GGUF name, dequantized to float32, in torch order.
+def dequantize_tensors(
+    file: GGUFFile, *, progress: Callable[[str], None], skip: Collection[str] = ()
+) -> dict[str, Tensor]:
+    """The tensors of the file by GGUF name, dequantized to float32, in torch order.
 
     GGUF lists dimensions innermost first, so a `[out, in]` matrix is stored
-    with shape `(in, out)`; the result has the reversed shape. Any type the
-    `gguf` package can dequantize is read (F32, F16, BF16, Q4_0, Q8_0,
-    K-quants, ...).
+    with shape `(in, out)`; the result has the reversed shape. F32, F16, BF16,
+    Q8_0, Q4_0, Q4_1 and Q4_K are dequantized by `gguf_fast` (vectorized
+    numpy, the package's formulas), Q6_K by `spec.gguf_blocks`
+    (GGUF-BLOCK-1), any other type the `gguf` package can dequantize (Q5_K,
+    Q2_K, IQ4_NL, ...) by the package itself, as are a big-endian file's
+    tensors: every value bit for bit the package's
+    (tests/engine/test_load_speed_format.py). Every tensor owns its memory
+    (none is a view of the file).
 
     Args:
         file: the open file.
         progress: called with a short message every few tensors.
+        skip: names of tensors not to dequantize (left out of the result).
 
     Raises:
-        ValueError: a tensor whose type cannot be dequantized, or whose data
-            does not match its declared shape (a truncated file).
+        ValueError: a tensor whose type cannot be dequantized.
     """
-    from gguf.quants import dequantize
-
     tensors: dict[str, Tensor] = {}
-    count = len(file.reader.tensors)
-    for number, tensor in enumerate(file.reader.tensors, start=1):
+    wanted = [tensor for tensor in file.tensors if tensor.name not in skip]
+    count = len(wanted)
+    for number, tensor in enumerate(wanted, start=1):
         if number == 1 or number % PROGRESS_EVERY == 0 or number == count:
             progress(f"dequantizing GGUF tensors {number}/{count}")
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
-            # writeable and owning its memory: F32 data is a view of the memory map
-            values = np.require(values, dtype=np.float32, requirements=["C", "W", "O"])
-            values = values.reshape(shape)
+            values = _dequantize(file, tensor)
         except Exception as error:  # gguf/numpy raise many types on bad input
-            type_name = getattr(tensor.tensor_type, "name", tensor.tensor_type)
             raise ValueError(
-                f"{file.source}: tensor {tensor.name} ({type_name}, shape {list(shape)}) "
-                f"cannot be dequantized: {error}"
+                f"{file.source}: tensor {tensor.name} ({tensor.type_name}, shape "
+                f"{list(tensor.shape)}) cannot be dequantized: {error}"
             ) from error
-        tensors[tensor.name] = torch.from_numpy(values)
+        tensors[tensor.name] = values
     return tensors
+
+
+def _dequantize(file: GGUFFile, tensor: TensorInfo) -> Tensor:
+    """`tensor` as float32 in torch order, its own memory (see `dequantize_tensors`)."""
+    columns = tensor.dims[0] if tensor.dims else 1
+    if file.header.byte_order == "<":
+        if tensor.type_name in FAST_DEQUANTIZE:
+            return dequantize_fast(file.tensor_data(tensor), tensor.type_name, columns).reshape(
+                tensor.shape
+            )
+        if tensor.type_name in BLOCK_TYPES:  # Q6_K
+            data = file.tensor_data(tensor)
+            return dequantize_gguf(data, tensor.type_name, columns).reshape(tensor.shape)
+    # the bytes as GGUFReader gave them to the package: typed (a big-endian file's floats
+    # read in its byte order, then made native, which the package's `view` would not do)
+    # or as bytes
+    from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+    typed = _TYPED.get(tensor.type_name)
+    raw = np.frombuffer(file.buffer, np.uint8, tensor.nbytes, tensor.offset)
+    if typed is None:
+        raw = raw.reshape(quant_shape_to_byte_shape(tensor.shape, tensor.ggml_type))
+    else:
+        raw = raw.view(np.dtype(typed).newbyteorder(file.header.byte_order)).astype(typed)
+    values = dequantize(raw, tensor.ggml_type)
+    values = np.require(values, dtype=np.float32, requirements=["C", "W", "O"])
+    return torch.from_numpy(values.reshape(tensor.shape))
 
 
 def gguf_tensor_names(
@@ -318,11 +407,11 @@ def read_vocabulary(file: GGUFFile) -> GGUFVocabulary:
     types = file.array("tokenizer.ggml.token_type", int) or [gguf.TokenType.NORMAL] * n
     if len(types) != n:
         raise ValueError(f"{where}: {len(types)} token types for {n} tokens")
-    known = set(gguf.TokenType)
-    token_types = [gguf.TokenType(t) if t in known else gguf.TokenType.NORMAL for t in types]
+    known = {int(kind): kind for kind in gguf.TokenType}
+    token_types = [known.get(t, gguf.TokenType.NORMAL) for t in types]
 
     merges = file.array("tokenizer.ggml.merges", str)
-    pairs = None if merges is None else [_merge_pair(merge, where) for merge in merges]
+    pairs = None if merges is None else _merge_pairs(merges, where)
 
     def token_id(key: str) -> int | None:
         key = f"tokenizer.ggml.{key}"
@@ -350,8 +439,10 @@ def read_vocabulary(file: GGUFFile) -> GGUFVocabulary:
     )
 
 
-def _merge_pair(merge: str, where: Path | str) -> tuple[str, str]:
-    left, sep, right = merge.partition(" ")
-    if not sep or not left or not right:
-        raise ValueError(f"{where}: malformed merge {merge!r}")
-    return left, right
+def _merge_pairs(merges: list[str], where: Path | str) -> list[tuple[str, str]]:
+    """Each merge "left right" as a pair (ValueError naming the first malformed one)."""
+    parts = [merge.partition(" ") for merge in merges]
+    for merge, (left, sep, right) in zip(merges, parts, strict=True):
+        if not sep or not left or not right:
+            raise ValueError(f"{where}: malformed merge {merge!r}")
+    return [(left, right) for left, _sep, right in parts]

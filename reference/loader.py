@@ -19,7 +19,8 @@ Supported inputs:
   `general.architecture` `llama` or `qwen2`. Every tensor is dequantized to
   float32, then cast to the requested dtype, or converted to a weight format
   (`weights=`, `weight_formats.py`: int4 keeps the file's own 4-bit blocks,
-  int8 quantizes their dequantized weights per channel).
+  without dequantizing them, int8 quantizes their dequantized weights per
+  channel; `auto` picks the file's own format, `resolve_format`).
   llama.cpp's converter permutes the rows of the `llama` Q and K projections
   into its interleaved RoPE layout;
   the loader undoes that permutation (FWD-ROPE-1). `qwen2` files use the
@@ -50,7 +51,10 @@ engine never runs a sequence where the two would differ.
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,7 +78,15 @@ from .hf_checkpoint import (
     safetensors_files,
 )
 from .tokenizer import Tokenizer
-from .weight_formats import FOUR_BIT_GGUF_TYPES, check_format, convert_weights
+from .weight_formats import (
+    AUTO,
+    FOUR_BIT_GGUF_TYPES,
+    NativeFormat,
+    check_choice,
+    convert_weights,
+    keeps_blocks,
+    native_format,
+)
 
 Progress = Callable[[str], None]
 
@@ -94,9 +106,11 @@ def load_weights(
         dtype: floating-point dtype of the returned tensors (on the CPU).
         weights: a weight format of `weight_formats.WEIGHT_FORMATS`
             (`float32`, `bfloat16`, `int8`, `int4`) instead of `dtype`; int4
-            keeps a GGUF file's own 4-bit blocks. Its summary goes to `progress`.
+            keeps a GGUF file's own 4-bit blocks. Or `auto`: the file's own
+            format (`resolve_format`). Its summary (a `LoadSummary`, whose
+            `weights` is the format loaded) goes to `progress`.
         progress: called with a short message every few tensors (reading
-            and dequantizing a GGUF file takes seconds); `None` for silence.
+            and dequantizing a large GGUF file takes seconds); `None` for silence.
 
     Returns:
         The weights, with the `ModelConfig` read from the checkpoint.
@@ -115,7 +129,7 @@ def load_weights(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     if weights is not None:
-        check_format(weights)
+        check_choice(weights)
         if dtype != torch.float32:
             raise ValueError(f"give dtype or weights, not both (dtype={dtype}, weights={weights})")
     report = progress or (lambda _message: None)
@@ -124,7 +138,8 @@ def load_weights(
         model = load_hf_directory(directory, dtype=dtype, progress=report)
         if weights is None:
             return model
-        return convert_weights(model, weights, source=directory, report=report)
+        chosen, reason = _resolved(weights, HF_NATIVE)
+        return convert_weights(model, chosen, source=directory, report=report, reason=reason)
     if looks_like_gguf(path):
         return load_gguf(path, dtype=dtype, weights=weights, progress=report)
     if path.suffix.lower() in PICKLE_SUFFIXES:
@@ -144,8 +159,10 @@ def load_model(
 ) -> tuple[ModelWeights, Tokenizer]:
     """Weights and tokenizer of a GGUF file or a Hugging Face directory.
 
-    A GGUF file is opened once for both. Raises as `load_weights` and
-    `Tokenizer.from_file` / `Tokenizer.from_gguf` do.
+    A GGUF file is opened once for both. `weights` as for `load_weights`
+    (`auto`: the file's own format, which the `LoadSummary` sent to `progress`
+    names). Raises as `load_weights` and `Tokenizer.from_file` /
+    `Tokenizer.from_gguf` do.
     """
     path = Path(path)
     if not path.exists():
@@ -167,8 +184,8 @@ def _directory_tokenizer(path: Path) -> Tokenizer:
 def load_formats(
     path: str | Path, formats: Sequence[str], *, progress: Progress | None = None
 ) -> tuple[dict[str, ModelWeights], Tokenizer]:
-    """The model in each weight format of `formats`, and its tokenizer, opening a
-    GGUF file once (its header takes seconds to parse). Raises as `load_model`."""
+    """The model in each weight format of `formats` (by the names given, `auto`
+    included), and its tokenizer, opening a GGUF file once. Raises as `load_model`."""
     path = Path(path)
     if not (path.is_file() and looks_like_gguf(path)):
         models = {name: load_weights(path, weights=name, progress=progress) for name in formats}
@@ -176,6 +193,52 @@ def load_formats(
     file = open_gguf(path)
     models = {name: load_gguf(path, weights=name, progress=progress, file=file) for name in formats}
     return models, Tokenizer.from_gguf(file)
+
+
+HF_NATIVE = NativeFormat("float32", "a Hugging Face checkpoint")
+
+
+def resolve_format(path: GGUFFile | str | os.PathLike[str], weights: str = AUTO) -> str:
+    """The format `weights` loads `path` as: itself if it names one, else (`auto`) the
+    file's own format (`weight_formats.native_format`): a GGUF file's, from the types
+    of its layers' projections (reading its header only), float32 for a Hugging Face
+    directory. `native_gguf_format` gives the reason too.
+
+    Raises:
+        ValueError: an unknown format, or a GGUF file that cannot be read.
+        FileNotFoundError: no such path.
+    """
+    check_choice(weights)
+    if weights != AUTO:
+        return weights
+    if isinstance(path, GGUFFile):
+        return native_gguf_format(path).weights
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_file() and looks_like_gguf(path):
+        return native_gguf_format(open_gguf(path)).weights
+    return HF_NATIVE.weights
+
+
+def native_gguf_format(file: GGUFFile) -> NativeFormat:
+    """`auto`'s format for an open GGUF file, and why: `native_format` of the types of
+    its layers' projections (the 2-D tensors `blk.N.*`), weighed by their sizes."""
+    elements: Counter[str] = Counter()
+    for tensor in file.tensors:
+        if tensor.name.startswith("blk.") and len(tensor.dims) == 2:
+            elements[tensor.type_name] += tensor.dims[0] * tensor.dims[1]
+    return native_format(elements)
+
+
+def _resolved(
+    weights: str, native: NativeFormat | Callable[[], NativeFormat]
+) -> tuple[str, str | None]:
+    """`weights` and no reason, or for `auto` the native format and why (`native` is
+    called if it is a function: reading a file's types is only needed for `auto`)."""
+    if weights != AUTO:
+        return weights, None
+    return native() if callable(native) else native
 
 
 # ---------------------------------------------------------------------------
@@ -368,15 +431,16 @@ def load_gguf(
     """Load a GGUF file (see `load_weights`).
 
     `gguf_checkpoint.read_gguf_checkpoint` reads the config and the tensors
-    (dequantized to float32, under Hugging Face's names); messages still name
-    them as the file does.
+    (dequantized to float32, under Hugging Face's names; int4 keeps the 4-bit
+    blocks of the layers' projections, which are then not dequantized);
+    messages still name them as the file does.
 
     Args:
         path: the .gguf file.
         dtype: dtype of the returned tensors (dequantized through float32).
-        weights: a weight format instead of `dtype` (see `load_weights`).
+        weights: a weight format instead of `dtype`, or `auto` (see `load_weights`).
         progress: called with a message every few tensors.
-        file: the file already opened with `open_gguf` (opening takes seconds).
+        file: the file already opened with `open_gguf` (opened here otherwise).
 
     Returns:
         The weights and their config.
@@ -385,20 +449,29 @@ def load_gguf(
         ValueError: refused or corrupt file (see `load_weights`).
     """
     report = progress or (lambda _message: None)
+    if weights is not None:
+        check_choice(weights)
     if file is None:
         report(f"reading GGUF metadata of {path.name}")
         file = open_gguf(path)
-    keep = FOUR_BIT_GGUF_TYPES if weights == "int4" else ()
+    chosen, reason = (
+        (None, None) if weights is None else _resolved(weights, partial(native_gguf_format, file))
+    )
+    keep = FOUR_BIT_GGUF_TYPES if chosen == "int4" else ()
     config, tensors, spelling, blocks, types = read_gguf_checkpoint(
-        file, progress=report, keep_types=keep
+        file,
+        progress=report,
+        keep_types=keep,
+        blocks_only=partial(keeps_blocks, chosen) if keep else None,
     )
     tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
     model = _assemble(config, tensors, path, spelling)
-    if weights is None:
+    if chosen is None:
         return model
     return convert_weights(
         model,
-        weights,
+        chosen,
+        reason=reason,
         gguf_blocks=blocks,
         gguf_types=types,
         spelling=spelling,

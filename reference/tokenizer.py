@@ -117,8 +117,8 @@ class Tokenizer:
 
         Args:
             file: the file opened with `gguf_file.open_gguf`, a `gguf.GGUFReader`
-                (share it with the weight loader: opening a file takes
-                seconds), or the file's path.
+                (share it with the weight loader: the file is then mapped and
+                parsed once), or the file's path.
 
         Raises:
             FileNotFoundError: no such file.
