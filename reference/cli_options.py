@@ -20,7 +20,7 @@ from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from .grammar_backends import BACKENDS as GRAMMAR_BACKENDS
 from .model_files import bundled_model_path
 from .tokenizer import Tokenizer
-from .weight_formats import WEIGHT_FORMATS, LoadSummary
+from .weight_formats import AUTO, WEIGHT_CHOICES, LoadSummary
 
 
 def load_model_with_progress(
@@ -41,7 +41,8 @@ def load_model_with_progress(
     if live:
         report(f"loading {model.name} ...")
     else:
-        print(f"loading {model.name} ...", file=sys.stderr, flush=True)
+        # One write: a Ctrl-C between the text and its newline would share its line.
+        print(f"loading {model.name} ...\n", end="", file=sys.stderr, flush=True)
     loaded, tokenizer = loader.load_model(model, weights=weights, progress=report)
     end = "\r\033[K" if live else ""
     print(f"{end}loaded {model.name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
@@ -123,10 +124,11 @@ def speculation(spec: str | None) -> tuple[str | None, str | None]:
 def add_weights_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights",
-        choices=WEIGHT_FORMATS,
-        default="float32",
-        help="weight format: float32 (default, the reference), bfloat16, int8 (per channel) "
-        "or int4 (groups of 32; a GGUF file's own 4-bit blocks kept): the int formats run on "
+        choices=WEIGHT_CHOICES,
+        default=AUTO,
+        help="weight format: auto (default: a GGUF file's own, Q4_0/Q4_1/Q4_K as int4 bit "
+        "for bit, Q8_0 as int8, float files as float32), float32 (the reference), "
+        "bfloat16, int8 (per channel) or int4 (groups of 32); the int formats run on "
         "PyTorch's CPU kernels with the torch backend",
     )
 

@@ -427,3 +427,28 @@ def test_versus_llama_benchmark_smoke(tmp_path):
     section = versus_llama_section(report)
     assert "Smoke run" in section and report["date"] in section
     assert "| serving tok/s, 16 streams (16 requests) |" in section
+
+
+def test_chunked_prefill_benchmark_smoke(tmp_path):
+    """The burst and the long prompt with the default budget and none: every request
+    completes, the TTFTs and rates are measured, the path is the default's; the
+    Performance page's section renders it."""
+    from docs.tools.chunked import chunked_section
+
+    out = tmp_path / "chunked.json"
+    result = run([sys.executable, "-m", "tests.benchmarks.chunked_prefill", "--smoke",
+                  "--out", str(out)])  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and "not measurements" in report["note"]
+    assert "token budget 64" in report["path"] and "backend torch" in report["path"]
+    assert [row["token_budget"] for row in report["budgets"]] == [None, 64]
+    for row in report["budgets"]:
+        for key in ("alone_ttft_ms", "ttft_ms_p50", "ttft_ms_p99", "output_tokens_per_s",
+                    "decode_tokens_per_s_before", "decode_tokens_per_s_during",
+                    "long_prompt_ttft_ms"):  # fmt: skip
+            assert is_finite_number(row[key]) and row[key] > 0, (row, key)
+        assert row["ttft_ms_p50"] <= row["ttft_ms_p99"]
+    assert [t["met"] in (True, False) for t in report["targets"]] == [True, True]
+    section = chunked_section(report)
+    assert "Smoke run" in section and "| whole prompts |" in section and "| 64 |" in section

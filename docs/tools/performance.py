@@ -906,12 +906,14 @@ def sampling_section(report: dict | None) -> str:
 
 def performance_page(results_dir: Path = RESULTS_DIR) -> str:
     """The Markdown of `performance.md` from the results files present."""
-    from docs.tools.quant import QUANT_FILE, quant_section  # quant imports this module
+    from docs.tools.chunked import CHUNKED_FILE, chunked_section  # they import this module
+    from docs.tools.quant import QUANT_FILE, quant_section
 
     sections = [
         cpu_section(read_json(results_dir / CPU_FILE)),
         speculative_section(read_json(results_dir / SPECULATIVE_FILE)),
         serve_section(read_json(results_dir / SERVE_FILE)),
+        chunked_section(read_json(results_dir / CHUNKED_FILE)),
         versus_llama_section(read_json(results_dir / VERSUS_LLAMA_FILE)),
         prefix_section(read_json(results_dir / PREFIX_FILE)),
         structured_section(read_json(results_dir / STRUCTURED_FILE)),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from decodespec.reference.backend import DEFAULT_BACKEND
 from decodespec.reference.engine import DEFAULT_TOKEN_BUDGET, Engine
 from decodespec.reference.loader import load_model
 from decodespec.reference.model_files import bundled_model_path
@@ -129,7 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = [chat_ids(tokenizer, text) for text in load.PROMPTS[:BURST]]
     filler = tokenizer.encode(" ".join(load.PROMPTS) * 40)
     long = filler[:long_tokens]
-    engines = {b: Engine(weights, tokenizer, seed=0, token_budget=b) for b in budgets}
+    engines = {
+        b: Engine(weights, tokenizer, seed=0, backend=DEFAULT_BACKEND, token_budget=b)
+        for b in budgets
+    }
     path = engines[DEFAULT_TOKEN_BUDGET].path
     with torch.inference_mode():
         burst(engines[None], prompts[:2], 2)  # warm up (the native step's first call)
@@ -139,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = {
                     "alone_ttft_ms": burst(engine, prompts[:1], max_tokens)["ttft_ms_p50"],
                     **burst(engine, prompts, max_tokens),
-                    **long_prompt(engine, prompts[:DECODING], long, 10_000),
+                    **long_prompt(engine, prompts[:DECODING], long, 4_000),
                 }
                 runs[budget].append(result)
                 print(f"  round {round_ + 1}/{rounds} budget {budget}: {result}", file=sys.stderr)

@@ -51,6 +51,7 @@ JSON_KEYS = {
     "completion_tokens",
     "ttft_s",
     "tokens_per_s",
+    "path",
 }
 STATS = re.compile(
     r"^\[(?P<tokens>\d+) tokens, finish: (?P<finish>\w+), seed: (?P<seed>\d+), "
@@ -95,7 +96,10 @@ def run_cli(model: tuple | None, *argv: str) -> Run:
         loads.append(path)
         if path is not None:
             return REAL_LOAD(path, weights)
-        if weights in (None, "float32"):
+        # The bundled file's own format (`auto`, the default) is int4; the stand-in
+        # stays float32, the references these tests compare against. The real default
+        # is checked in a real process (test_installed_command_end_to_end).
+        if weights in (None, "float32", "auto"):
             return model
         return convert_weights(model[0], weights), model[1]
 
@@ -262,6 +266,7 @@ def test_json_is_one_object_and_eos_stays_in_the_ids(model, greedy):
     assert data["completion_tokens"] == len(ids)
     assert isinstance(data["ttft_s"], float) and data["ttft_s"] > 0
     assert isinstance(data["tokens_per_s"], float) and data["tokens_per_s"] > 0
+    assert data["path"].startswith("projections float32 ×211") and "backend torch" in data["path"]
 
 
 def test_json_logprobs_have_token_rank_and_top_n(model, greedy):
@@ -333,6 +338,9 @@ def test_installed_command_end_to_end(model, greedy, installed_answer):
     assert out == tokenizer.decode(greedy["token_ids"][: eos + 1]) + "\n"
     assert "Paris" in out
     assert "loaded SmolLM2-135M-Instruct.Q4_1.gguf in" in err
+    # The file's own format by default, said: int4 with the Q4_1 blocks kept.
+    assert "int4 (auto: the file's Q4_1 blocks): 210 kept from Q4_1 blocks" in err
+    assert "path: projections int4 g32 ×210, int8 ×1" in err and "backend torch" in err
     stats = STATS.search(err)
     assert stats and stats["finish"] == "stop" and int(stats["tokens"]) == eos + 1, err
     assert "Traceback" not in err

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from decodespec.reference.weight_formats import WEIGHT_FORMATS
 from tests.engine.test_cli import REPO, installed_command
 
 INTERRUPTED = "decodespec: interrupted"
 # What the command may print on stderr before it is interrupted: load progress.
-PROGRESS = ("loading ", "loaded ", "path: ")  # the load, then what computes the answers
+# The load, the format's summary (`int4 (auto: ...): ...`), then what computes the answers.
+PROGRESS = ("loading ", *(f"{name} " for name in WEIGHT_FORMATS), "loaded ", "path: ")
 TIMEOUT_S = 120
 
 

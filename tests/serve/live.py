@@ -26,8 +26,9 @@ START_TIMEOUT_S = 60
 class LiveServer:
     """`with LiveServer() as server:` serves the bundled model at `server.url`."""
 
-    def __init__(self, weights: str | None = None, **engine_options: object) -> None:
-        """`weights`: the bundled model's weight format (`loader.load_model`'s)."""
+    def __init__(self, weights: str | None = "auto", **engine_options: object) -> None:
+        """`weights`: the bundled model's weight format (`loader.load_model`'s; by
+        default its own, as `decodespec serve` loads it)."""
         weights, tokenizer = load_model(bundled_model_path(), weights=weights)
         engine_options.setdefault("backend", DEFAULT_BACKEND)  # as `decodespec serve` runs
         self.engine = Engine(weights, tokenizer, seed=0, **engine_options)
