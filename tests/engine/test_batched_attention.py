@@ -117,11 +117,13 @@ def test_the_engine_speculates_on_it_with_the_spec_backends_tokens():
     assert outputs["torch"] == outputs["spec"]
 
 
-def test_serve_defaults_to_it_and_generate_to_the_spec():
+def test_both_commands_default_to_it_and_the_files_own_format():
+    """The fastest path that conforms is the default (issue 41); the spec on request."""
     parser = build_parser()
-    assert parser.parse_args(["serve"]).backend == "torch"
-    assert parser.parse_args(["generate", "hi"]).backend == "spec"
-    assert parser.parse_args(["generate", "hi", "--backend", "torch"]).backend == "torch"
+    for argv in (["serve"], ["generate", "hi"]):
+        args = parser.parse_args(argv)
+        assert (args.backend, args.weights, args.token_budget) == ("torch", "auto", 64)
+    assert parser.parse_args(["generate", "hi", "--backend", "spec"]).backend == "spec"
 
 
 def test_layers_reuse_the_first_layers_plan_and_a_new_batch_gets_its_own():
