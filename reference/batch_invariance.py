@@ -12,7 +12,9 @@ every backend:
 
 - every projection, the output one included, multiplies a multiple of
   `ROW_STEP` rows when it has fewer than `ROW_BLOCK`: the rest are zero rows,
-  whose outputs are dropped (`RowBlockLinear`). A row's bits then depend on the
+  whose outputs are dropped (`RowBlockLinear`); a quantized one multiplies at
+  most `ROW_BLOCK` rows a call, so that its rows never take the GEMM of long
+  passes (`cpu_linear`). A row's bits then depend on the
   row alone — measured on PyTorch 2.13's CPU GEMM for M = 1 … 2,048 and the
   model's shapes, and checked by `tests/engine/test_batch_invariance.py` on the
   machine that runs it;
@@ -44,12 +46,14 @@ from decodespec.spec import append, attention
 from decodespec.spec.forward import ModelWeights, Weight
 
 from .backend import SPEC_BACKEND, Backend
+from .cpu_linear import GEMM_FROM_ROWS
 
 # A projection multiplies its rows as they are from ROW_BLOCK rows up; fewer are
 # padded to a multiple of ROW_STEP, whose rows come out in the same bits (measured:
 # 1, 2, 3, 5, 6, 9 or 10 rows do not, and padding all to 16 costs 16x at batch 1).
 ROW_BLOCK = 16
 ROW_STEP = 4
+assert ROW_BLOCK < GEMM_FROM_ROWS, "quantized blocks stay on the CPU kernels"
 T = TypeVar("T")
 
 
@@ -87,6 +91,11 @@ class RowBlockLinear:
     def _product(self, x: Tensor) -> Tensor:
         if isinstance(self.unwrapped, Tensor):
             return x @ self.unwrapped.T
+        if x.shape[0] > ROW_BLOCK:
+            # A quantized projection multiplies a pass of `GEMM_FROM_ROWS` rows or more
+            # by a GEMM (`cpu_linear`): a long pass goes to it `ROW_BLOCK` rows at a
+            # time, each block's rows in the bits they have in any block.
+            return torch.cat([self.linear(block) for block in x.split(ROW_BLOCK)])
         return self.unwrapped.linear(x)
 
     def dequantize(self) -> Tensor:

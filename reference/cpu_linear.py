@@ -1,8 +1,22 @@
-"""Quantized projections on PyTorch's CPU weight-only kernels (the torch backend's).
+"""Quantized projections on the CPU (the torch backend's).
 
 `pack_for_cpu` replaces every `QuantizedWeight` of a model on the CPU with an
 object that has the same `shape`, `bits`, `group_size`, `linear`,
-`dequantize` and `to`, and multiplies with one of PyTorch's CPU kernels:
+`dequantize` and `to`, and a faster product.
+
+Where the C library can be had (`native_library`) that product is
+`ActivationQuantizedLinear`: QUANT-A8-1, the activation-quantized linear GGUF
+engines compute, in C (`native_quantized.c`): the activations quantized to
+int8 in blocks of 32, integer dot products with the codes in the spec's own
+layout. A pass of `GEMM_FROM_ROWS` tokens or more (a prefill chunk) computes
+the same function as a float32 GEMM: the weights dequantized in C into a
+scratch buffer the next projection reuses, times the activations as their
+int8 codes restore them. Both agree with `spec.quant.activation_quantized_linear`
+within float32's tolerance, and a row's product does not depend on the other
+rows of its pass below `GEMM_FROM_ROWS`.
+
+Where it cannot (no compiler, `DECODESPEC_NATIVE=0`), PyTorch's CPU
+weight-only kernels:
 
 - int4 in groups of 32, 64, 128 or 256: `aten._weight_int4pack_mm_for_cpu`,
   which computes `(q − 8) · s + z` per group; the spec's offset `o` maps to
@@ -24,6 +38,7 @@ scales, zeros and inputs, within QUANT-TOL-1's bfloat16 tolerance
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import fields, replace
 
 import numpy as np
@@ -33,12 +48,18 @@ from torch import Tensor
 from decodespec.spec.forward import LayerWeights, ModelWeights
 from decodespec.spec.quant import QuantizedWeight
 
+from . import native_library
 from .weight_formats import map_quantized
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPE = torch.bfloat16
 ROW_PACK = 16  # the int4 kernel's rows per packed tile
 INT8_COLUMNS = 16  # the int8 kernel's columns per step
+ACTIVATION_BLOCK = 32  # QUANT-A8-1's activations per scale
+# Passes of this many tokens or more: the float32 GEMM. SmolLM2-135M, every projection
+# of a pass, 2 cores (AVX2): int4 64 tokens 331 ms by the GEMM against 483 ms on
+# PyTorch's int4 kernel, 32 tokens 209 against 227, 16 tokens 172 against 116.
+GEMM_FROM_ROWS = 32
 # byte -> its two 4-bit codes as two int32, low nibble first (QUANT-CODES-1's order),
 # held as one int64 so that a lookup copies one machine word
 _NIBBLE_PAIRS = np.array([[b & 0x0F, b >> 4] for b in range(256)], dtype=np.int32).view(np.int64)
@@ -181,6 +202,102 @@ class CpuInt8Linear:
         return self
 
 
+_SCRATCH = threading.local()  # each thread's float32 buffer for dequantized weights
+
+
+def _scratch(numel: int) -> Tensor:
+    """A float32 buffer of `numel` elements, this thread's, reused by the next call."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.buffer = torch.empty(numel)
+    return buffer[:numel]
+
+
+def takes_activation_quantized(weight: QuantizedWeight) -> bool:
+    """Whether QUANT-A8-1 applies: `in_features` and the groups multiples of 32."""
+    return weight.shape[1] % ACTIVATION_BLOCK == 0 and weight.group_size % ACTIVATION_BLOCK == 0
+
+
+class ActivationQuantizedLinear:
+    """A group-quantized projection multiplied by QUANT-A8-1 in C (`native_quantized.c`).
+
+    `linear(x)`: `x` `[M, K]` float32 or bfloat16 (other floating dtypes through
+    float32), the result `[M, N]` in `x`'s dtype; `M` below `GEMM_FROM_ROWS` by the
+    integer product, from it by the float32 GEMM. Both are
+    `spec.quant.activation_quantized_linear` within float32's tolerance.
+
+    Example:
+        >>> from decodespec.spec.quant import quantize_weight
+        >>> w = quantize_weight(torch.randn(8, 64), bits=4, group_size=32)
+        >>> ActivationQuantizedLinear(w, native_library.library()).linear(torch.randn(2, 64)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, weight: QuantizedWeight, lib: object) -> None:
+        if not takes_activation_quantized(weight):
+            raise ValueError(
+                f"QUANT-A8-1 needs in_features and group_size multiples of {ACTIVATION_BLOCK}, "
+                f"got {weight.shape[1]} and {weight.group_size}"
+            )
+        self.lib = lib
+        self.quantized = QuantizedWeight(
+            weight.qweight.contiguous(),
+            weight.scales.float().contiguous(),
+            weight.offsets.float().contiguous(),
+            weight.group_size,
+            weight.bits,
+        )
+        self.shape = weight.shape
+        self.bits, self.group_size = weight.bits, weight.group_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.quantized.nbytes
+
+    def linear(self, x: Tensor) -> Tensor:
+        if x.shape[0] >= GEMM_FROM_ROWS:
+            return self.gemm(x)
+        if x.dtype not in (torch.float32, KERNEL_DTYPE):
+            return self.product(x.float()).to(x.dtype)
+        return self.product(x)
+
+    def product(self, x: Tensor) -> Tensor:
+        """QUANT-A8-1 by integer dot products: float32 or bfloat16 `x`, `y` the same."""
+        w, x = self.quantized, x.contiguous()
+        y = torch.empty(x.shape[0], self.shape[0], dtype=x.dtype)
+        failed = self.lib.quantized_product(
+            w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.bits,
+            self.shape[0], self.shape[1], w.group_size, x.data_ptr(), x.dtype == KERNEL_DTYPE,
+            x.shape[0], y.data_ptr(), y.dtype == KERNEL_DTYPE, torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("no memory for the activations' int8 codes")
+        return y
+
+    def gemm(self, x: Tensor) -> Tensor:
+        """QUANT-A8-1 as a float32 GEMM: the weights dequantized into this thread's
+        scratch buffer, times `x` as its int8 codes restore it (`d · c`)."""
+        w, rows, columns = self.quantized, *self.shape
+        dense = _scratch(rows * columns).view(rows, columns)
+        self.lib.dequantize(w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
+                            w.bits, rows, columns, w.group_size, dense.data_ptr())  # fmt: skip
+        activations = x.float().contiguous()
+        codes = torch.empty(activations.shape, dtype=torch.int8)
+        scales = torch.empty(activations.shape[0], columns // ACTIVATION_BLOCK)
+        self.lib.quantize_activations(activations.data_ptr(), activations.shape[0], columns,
+                                      codes.data_ptr(), scales.data_ptr())  # fmt: skip
+        restored = codes.float() * scales.repeat_interleave(ACTIVATION_BLOCK, dim=1)
+        return (restored @ dense.T).to(x.dtype)
+
+    def dequantize(self) -> Tensor:
+        return self.quantized.dequantize()
+
+    def to(self, device: torch.device | str) -> ActivationQuantizedLinear:
+        if torch.device(device).type != "cpu":
+            raise ValueError("weights packed for the CPU kernels stay on the CPU")
+        return self
+
+
 class SharedInput:
     """Sibling projections of one input (a layer's Q, K and V; its gate and up) packed as
     one matrix, so that one kernel call computes all of them.
@@ -240,9 +357,46 @@ class SharedInputMember:
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def pack(weight: QuantizedWeight) -> CpuInt4Linear | CpuInt8Linear:
-    """`weight` on the CPU kernel for its bits (ValueError if the kernel cannot take it)."""
+CpuKernel = ActivationQuantizedLinear | CpuInt4Linear | CpuInt8Linear
+
+
+def pack(weight: QuantizedWeight) -> CpuKernel:
+    """`weight` on QUANT-A8-1's C product where it applies and the library can be had,
+    else on PyTorch's kernel for its bits (ValueError if that cannot take it)."""
+    lib = _library()
+    if lib is not None and takes_activation_quantized(weight):
+        return ActivationQuantizedLinear(weight, lib)
     return CpuInt4Linear(weight) if weight.bits == 4 else CpuInt8Linear(weight)
+
+
+def _library() -> object | None:
+    """The C library, or None: `DECODESPEC_NATIVE=0`, or it cannot be built or loaded
+    (`native_step` says why on stderr, once)."""
+    if native_library.disabled():
+        return None
+    try:
+        return native_library.library()
+    except native_library.NativeUnavailable:
+        return None
+
+
+def products(weights: ModelWeights) -> str:
+    """How the model's quantized projections multiply, in a few words (the engine's
+    path line): "int8 activations (QUANT-A8-1, C avx2)" or PyTorch's kernels'."""
+    kinds = set()
+    for layer in weights.layers:
+        for f in fields(layer):
+            value = getattr(layer, f.name)
+            kernel = value.shared.kernel if isinstance(value, SharedInputMember) else value
+            if isinstance(kernel, ActivationQuantizedLinear):
+                isa = kernel.lib.quantized_isa().decode()
+                kinds.add(
+                    f"int8 activations (QUANT-A8-1, C {isa}; "
+                    f"a float32 GEMM from {GEMM_FROM_ROWS} tokens)"
+                )
+            elif isinstance(kernel, (CpuInt4Linear, CpuInt8Linear)):
+                kinds.add("bfloat16 activations (PyTorch's int4/int8 kernels)")
+    return "; ".join(sorted(kinds))
 
 
 def pack_for_cpu(model: ModelWeights) -> ModelWeights:

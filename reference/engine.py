@@ -33,7 +33,7 @@ from decodespec.spec.params import SamplingParams
 from decodespec.spec.stop import StopChecker
 from decodespec.spec.token_mask import bitmask_words
 
-from . import native_step
+from . import cpu_linear, native_step
 from .backend import check_backend_device, get_backend
 from .batch_invariance import batch_invariant_backend, row_blocked
 from .block_manager import BlockManager, NaiveBlockManager
@@ -203,6 +203,8 @@ class Engine:
         """What computes every request: the weights' format, the backend, the decode
         step (the native C step, or why not) and the token budget, in one line."""
         parts = [describe(self.weights), f"backend {self.backend.name}"]
+        if products := cpu_linear.products(self.weights):
+            parts.append(products)
         native = getattr(self.runner, "native", None)
         if native is not None:
             parts.append(native.description)

@@ -24,7 +24,7 @@ What the C code covers, against what the contract allows:
   `ValueError`, as the spec's own check of a mismatched device does.
 
 When the library cannot be built or loaded (no compiler, an unwritable or
-noexec cache directory), each call raises `native_step.NativeUnavailable`,
+noexec cache directory), each call raises `native_library.NativeUnavailable`,
 a `RuntimeError` saying why.
 """
 
@@ -38,7 +38,7 @@ from torch import Tensor
 from decodespec.spec.append import check_append_args
 from decodespec.spec.attention import check_attention_args
 
-from .native_step import library
+from .native_library import library
 
 CONFORMANCE_UNSUPPORTED = {
     dtype: "the native step's C attention computes float32 only (the engine's KV cache)"
@@ -100,7 +100,7 @@ def paged_attention(
         ValueError, TypeError: as the spec's (ATTN-VALID-1); also a tensor that
             is not on the CPU.
         NotImplementedError: q (and so the caches) is not float32.
-        native_step.NativeUnavailable: the C library cannot be built or loaded.
+        native_library.NativeUnavailable: the C library cannot be built or loaded.
 
     Example:
         >>> k_cache = torch.tensor([[[[1.0, 0.0]]], [[[0.0, 1.0]]]])  # [2, 1, 1, 2]
@@ -137,7 +137,7 @@ def paged_attention(
         q.data_ptr(), num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim, scale,
         k_cache.data_ptr(), v_cache.data_ptr(), block_size, table.data_ptr(), table.shape[1],
         lens_.data_ptr(), starts.data_ptr(), lens_.shape[0], scratch.data_ptr(),
-        out.data_ptr(), 0, None if lse is None else lse.data_ptr(),
+        out.data_ptr(), None if lse is None else lse.data_ptr(),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -175,7 +175,7 @@ def append_kv(
     Raises:
         ValueError, TypeError: as the spec's (APPEND-VALID-1), nothing written;
             also a tensor that is not on the CPU.
-        native_step.NativeUnavailable: the C library cannot be built or loaded.
+        native_library.NativeUnavailable: the C library cannot be built or loaded.
 
     Example:
         >>> k_cache = torch.full((2, 2, 1, 1), float("nan"))

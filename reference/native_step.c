@@ -1,13 +1,11 @@
 /* The torch backend's decode step between its projections, in C (native_step.py).
  *
- * A decoder layer of spec/forward.py is its projections, on PyTorch's CPU
- * kernels (bfloat16 in, bfloat16 out), and some seventy small tensor
+ * A decoder layer of spec/forward.py is its projections (QUANT-A8-1's C product,
+ * native_quantized.c, float32 in and out) and some seventy small tensor
  * operations between them: norms, RoPE, the KV append, attention, SiLU, the
  * residual adds. At one token a step, dispatching those operations one by one
  * costs more than computing them. Here they are three functions (four calls
- * a layer) over float32 rows, with the same arithmetic: inputs of the kernels
- * are rounded to bfloat16 (round to nearest even) and their outputs read back
- * as float32, as `CpuInt4Linear.linear` does.
+ * a layer) over float32 rows, with the same arithmetic.
  *
  * Attention is three entry points: `append_kv` and `paged_attention`, the
  * stage contract's operations (native_attention.py wraps them for the
@@ -25,51 +23,33 @@
 /* The compiler that built this library, for the engine's report of which path runs. */
 const char *compiler_version(void) { return __VERSION__; }
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* x[t] += add[t] (bfloat16 rows, `add_stride` apart; none when add is NULL),
- * then out[t] = bf16(weight · x[t] / sqrt(mean(x[t]²) + eps))  (FWD-NORM-1, FWD-LAYER-1). */
-void add_rms_norm(float *x, const uint16_t *add, int64_t add_stride, const float *weight,
-                  float eps, uint16_t *out, int64_t tokens, int64_t hidden) {
+/* x[t] += add[t] (rows `add_stride` floats apart; none when add is NULL),
+ * then out[t] = weight · x[t] / sqrt(mean(x[t]²) + eps)  (FWD-NORM-1, FWD-LAYER-1). */
+void add_rms_norm(float *x, const float *add, int64_t add_stride, const float *weight,
+                  float eps, float *out, int64_t tokens, int64_t hidden) {
     for (int64_t t = 0; t < tokens; t++) {
         float *row = x + t * hidden;
         if (add) {
-            const uint16_t *a = add + t * add_stride;
-            for (int64_t i = 0; i < hidden; i++) row[i] += bf16_to_float(a[i]);
+            const float *a = add + t * add_stride;
+            for (int64_t i = 0; i < hidden; i++) row[i] += a[i];
         }
         if (!out) continue; /* the last residual add: the final norm is PyTorch's */
         float sum = 0.0f;
         for (int64_t i = 0; i < hidden; i++) sum += row[i] * row[i];
         float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-        uint16_t *o = out + t * hidden;
-        for (int64_t i = 0; i < hidden; i++) o[i] = float_to_bf16(weight[i] * (row[i] * inv));
+        float *o = out + t * hidden;
+        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (row[i] * inv);
     }
 }
 
-/* out[t] = bf16(silu(gate[t]) · up[t]), gate and up the two halves of a bfloat16 row
- * of `stride` (FWD-MLP-1). */
-void silu_mul(const uint16_t *gate_up, int64_t stride, int64_t intermediate, uint16_t *out,
+/* out[t] = silu(gate[t]) · up[t], gate and up the two halves of a row of `stride`
+ * floats (FWD-MLP-1). */
+void silu_mul(const float *gate_up, int64_t stride, int64_t intermediate, float *out,
               int64_t tokens) {
     for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *g = gate_up + t * stride, *u = g + intermediate;
-        uint16_t *o = out + t * intermediate;
-        for (int64_t i = 0; i < intermediate; i++) {
-            float gv = bf16_to_float(g[i]);
-            o[i] = float_to_bf16(gv / (1.0f + expf(-gv)) * bf16_to_float(u[i]));
-        }
+        const float *g = gate_up + t * stride, *u = g + intermediate;
+        float *o = out + t * intermediate;
+        for (int64_t i = 0; i < intermediate; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
@@ -102,14 +82,13 @@ void append_kv(const char *key, int64_t key_stride, const char *value, int64_t v
  * sequence's positions in the paged float32 caches (query_start, seq_lens,
  * block_table `[batch, max_blocks]`). Each (row, head) is computed alone, its sums
  * in one fixed order whatever the batch (ATTN-INVARIANT-1). `scratch` holds
- * `head_dim + max(seq_lens)` floats. out: `[tokens, heads · head_dim]`, bfloat16
- * when `out_bf16` (the decode step's next kernel input), else float32; `lse`
- * `[tokens, heads]` float32 (ATTN-LSE-1) unless NULL. */
+ * `head_dim + max(seq_lens)` floats. out: `[tokens, heads · head_dim]` float32;
+ * `lse` `[tokens, heads]` float32 (ATTN-LSE-1) unless NULL. */
 void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, float scale, const float *k_cache, const float *v_cache,
                      int64_t block_size, const int64_t *block_table, int64_t max_blocks,
                      const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
-                     float *scratch, void *out, int64_t out_bf16, float *lse) {
+                     float *scratch, float *out, float *lse) {
     const int64_t group = heads / kv_heads;
     float *acc = scratch, *scores = scratch + head_dim;
     for (int64_t b = 0; b < batch; b++) {
@@ -152,12 +131,7 @@ void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv
                     }
                     if (lse) lse[t * heads + h] = max + logf(total);
                 }
-                if (out_bf16) {
-                    uint16_t *oh = (uint16_t *)out + o;
-                    for (int64_t i = 0; i < head_dim; i++) oh[i] = float_to_bf16(acc[i]);
-                } else {
-                    memcpy((float *)out + o, acc, sizeof(float) * head_dim);
-                }
+                memcpy(out + o, acc, sizeof(float) * head_dim);
             }
         }
     }
@@ -170,21 +144,20 @@ void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv
  * attend to later rows' keys of their own sequence only causally, but all are
  * written first), and `paged_attention` attends. `scratch` holds
  * `tokens · (heads + 2 kv_heads) · head_dim + head_dim + max(seq_lens)` floats.
- * out: `[tokens, heads · head_dim]` bf16. */
-void attention(const uint16_t *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
+ * out: `[tokens, heads · head_dim]` float32. */
+void attention(const float *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
                int64_t kv_heads, int64_t head_dim, const float *cos, const float *sin,
                float *k_cache, float *v_cache, int64_t block_size,
                const int64_t *slot_mapping, const int64_t *block_table, int64_t max_blocks,
                const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
-               float *scratch, uint16_t *out) {
+               float *scratch, float *out) {
     const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
     const int64_t tokens = query_start[batch];
     float *rows = scratch; /* [tokens, width]: q, k, v of each token, side by side */
     for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *src = qkv + t * qkv_stride;
+        const float *src = qkv + t * qkv_stride;
         float *row = rows + t * width;
-        for (int64_t i = 0; i < width; i++)
-            row[i] = bf16_to_float(src[i]) + (bias ? bias[i] : 0.0f);
+        for (int64_t i = 0; i < width; i++) row[i] = src[i] + (bias ? bias[i] : 0.0f);
         for (int64_t h = 0; h < heads + kv_heads; h++)
             rope(row + h * head_dim, cos + t * half, sin + t * half, half);
     }
@@ -195,5 +168,5 @@ void attention(const uint16_t *qkv, int64_t qkv_stride, const float *bias, int64
               slot_mapping, tokens);
     paged_attention(rows, width, heads, kv_heads, head_dim, 1.0f / sqrtf((float)head_dim),
                     k_cache, v_cache, block_size, block_table, max_blocks, seq_lens,
-                    query_start, batch, rows + tokens * width, out, 1, NULL);
+                    query_start, batch, rows + tokens * width, out, NULL);
 }

@@ -47,6 +47,21 @@ arithmetic is float32 (float64 for float64 weights); a group whose scale is
 0 (constant for 4 bits, all zero for 8) gets codes 0, so it is restored
 exactly. Non-finite weights cannot be quantized (`ValueError`).
 
+[QUANT-A8-1] The activation-quantized linear is what GGUF engines compute for
+these weights (llama.cpp multiplies Q4_0, Q4_1 and Q4_K blocks by Q8_1
+activations, Q8_0 blocks by Q8_0 ones): each row of `x` is quantized in
+blocks `b` of 32 consecutive elements, `d[m, b] = max|x[m, b]| / 127`,
+`c[m, k] = round(x[m, k] · (1 / d[m, b]))` (float32, each operation rounded
+once, round-half-to-even; a block of zeros has `d = 0` and codes 0), and
+`y[m, n] = Σ_b d[m, b] · (s[n, g] · Σ_{k∈b} q[n, k] c[m, k] + o[n, g] · Σ_{k∈b} c[m, k])`,
+`g` the weight group holding block `b`: the integer sums are exact, the rest
+is held to QUANT-TOL-1 as a float32 fast path. `K` and `G` must be multiples
+of 32 (`ValueError` otherwise). `activation_quantized_linear` defines it. It
+is not QUANT-LINEAR-1's function: each activation moves by up to half a step,
+`d / 2`, a 254th of its block's largest magnitude (bfloat16 moves a value by
+up to a 512th of its own). llama.cpp also rounds `d` to float16: here `d` is
+float32.
+
 [QUANT-VALID-1] Every argument is checked before any arithmetic: a
 non-tensor raises `TypeError` (ArgumentTypeError) naming it; a wrong dtype,
 a shape that does not fit (`K` not a multiple of `group_size`, an odd `K`
@@ -171,6 +186,70 @@ def quantized_linear(
         qweight, scales.to(compute), offsets.to(compute), group_size=group_size, bits=bits
     )
     return (x.to(compute) @ weight.T).to(x.dtype)
+
+
+ACTIVATION_BLOCK = 32  # QUANT-A8-1's block of activations
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The int8 codes `[M, K]` and float32 scales `[M, K / 32]` of float `x` `[M, K]`,
+    block by block of 32 (QUANT-A8-1).
+
+    Example:
+        >>> codes, scales = quantize_activations(torch.arange(32.0)[None])
+        >>> codes[0, :4].tolist(), scales.tolist()
+        ([0, 4, 8, 12], [[0.24409449100494385]])
+    """
+    check_tensor("x", x)
+    if not x.dtype.is_floating_point or x.dim() != 2 or x.shape[1] % ACTIVATION_BLOCK:
+        raise ValueError(
+            f"x must be floating point [M, K], K a multiple of {ACTIVATION_BLOCK}, "
+            f"got {x.dtype} {list(x.shape)}"
+        )
+    blocks = x.float().view(x.shape[0], -1, ACTIVATION_BLOCK)
+    scales = blocks.abs().amax(dim=-1) / 127
+    inverse = torch.where(scales == 0, torch.zeros_like(scales), 1 / scales)
+    codes = (blocks * inverse[..., None]).round()  # round half to even
+    return codes.to(torch.int8).view(x.shape), scales
+
+
+def activation_quantized_linear(
+    x: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor, *, group_size: int, bits: int
+) -> Tensor:
+    """`x` quantized to int8 blocks of 32, times `W`, the integer sums exact
+    (QUANT-A8-1): what llama.cpp computes for Q4 and Q8 weights.
+
+    Args:
+        x: `[M, K]` activations, any floating dtype; `K` a multiple of 32.
+        qweight, scales, offsets, bits: as `quantized_linear`.
+        group_size: weights per group along `K`, a multiple of 32.
+
+    Returns:
+        `[M, N]` in `x`'s dtype, evaluated in float64.
+
+    Example:
+        >>> w = quantize_weight(torch.ones(1, 32), bits=8, group_size=32)
+        >>> activation_quantized_linear(torch.ones(1, 32), w.qweight, w.scales, w.offsets,
+        ...                             group_size=32, bits=8)
+        tensor([[32.]])
+    """
+    check_tensor("x", x)
+    rows, k = check_quantized(qweight, scales, offsets, group_size, bits)
+    if group_size % ACTIVATION_BLOCK:
+        raise ValueError(f"group_size must be a multiple of {ACTIVATION_BLOCK}, got {group_size}")
+    if not x.dtype.is_floating_point or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be floating point [M, {k}], got {x.dtype} {list(x.shape)}")
+    if x.device != qweight.device:
+        raise ValueError(f"x is on {x.device}, qweight on {qweight.device}")
+    codes_x, d = quantize_activations(x)
+    blocks = k // ACTIVATION_BLOCK
+    c = codes_x.double().view(-1, blocks, ACTIVATION_BLOCK)
+    q = unpack_codes(qweight, bits).double().view(rows, blocks, ACTIVATION_BLOCK)
+    products = torch.einsum("mbj,nbj->mnb", c, q)  # exact: |sums| < 2^53
+    per_block = ACTIVATION_BLOCK * torch.arange(blocks, device=x.device) // group_size
+    s, o = scales.double()[:, per_block], offsets.double()[:, per_block]  # [N, blocks]
+    terms = s[None] * products + o[None] * c.sum(dim=-1)[:, None, :]
+    return (d.double()[:, None, :] * terms).sum(dim=-1).to(x.dtype)
 
 
 def quantize_weight(weight: Tensor, *, bits: int, group_size: int) -> QuantizedWeight:

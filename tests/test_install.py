@@ -116,14 +116,15 @@ def test_the_wheel_holds_only_the_decodespec_namespace(installed):
     assert "decodespec = decodespec.reference.__main__:main" in text
     # the server's viewer page is package data: `decodespec serve` answers GET / with it
     assert "decodespec/reference/static/viewer.html" in files
-    # the torch backend's native step compiles its C source at first use
+    # the torch backend compiles its C sources at first use
     assert "decodespec/reference/native_step.c" in files
+    assert "decodespec/reference/native_quantized.c" in files
 
 
 def test_installed_native_step_builds_from_its_package_data(installed, tmp_path):
     code = (
-        "from decodespec.reference import native_step; "
-        "print(native_step.build_library().name.startswith('native_step-'))"
+        "from decodespec.reference import native_library; "
+        "print(native_library.build_library().name.startswith('native-'))"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # a fresh build, not a cached one
     out = subprocess.run(

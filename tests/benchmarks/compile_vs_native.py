@@ -11,7 +11,7 @@ This measures, on the bundled model (SmolLM2-135M-Instruct, int4, the torch
 backend), one greedy stream's decode tokens/s (after the first token) of:
 
 - `native step`: the engine as it ships (`runner.native`);
-- `pytorch`: the same engine with `DECODESPEC_NATIVE=0`, every pass through the
+- `pytorch`: the same engine without its native step, every pass through the
   spec's decoder with the backend's stages (`cached_hidden_states` with the
   batched attention and append, `runner.hidden_states`);
 - `torch.compile (<mode>)`: that same call, `runner.hidden_states`'s
@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the `decodespec` command sets it
+
 import torch
 
 from decodespec.reference.cli_options import prompt_ids
@@ -67,18 +69,13 @@ WARMUP_TOKENS = 8
 
 
 def engine(weights, tokenizer, native: bool) -> Engine:
-    """The torch backend's engine, with or without the native step (its switch is read
-    when the runner is made)."""
-    before = os.environ.pop("DECODESPEC_NATIVE", None)
+    """The torch backend's engine, with or without the native step. Without, its runner
+    drops the step it made: every pass takes the PyTorch path, on the same quantized
+    products (`DECODESPEC_NATIVE=0` would also put those back on PyTorch's kernels)."""
+    made = Engine(weights, tokenizer, backend="torch", cache_tokens=2048, seed=0)
+    assert made.runner.native is not None, status(made.runner.weights)
     if not native:
-        os.environ["DECODESPEC_NATIVE"] = "0"
-    try:
-        made = Engine(weights, tokenizer, backend="torch", cache_tokens=2048, seed=0)
-    finally:
-        os.environ.pop("DECODESPEC_NATIVE", None)
-        if before is not None:
-            os.environ["DECODESPEC_NATIVE"] = before
-    assert (made.runner.native is not None) == native, status(made.runner.weights)
+        made.runner.native = None
     return made
 
 

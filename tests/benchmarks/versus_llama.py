@@ -7,8 +7,12 @@ comparisons:
 1. decode: one greedy stream in-process, `DECODE_TOKENS` tokens after the
    same `PROMPT_TOKENS` prompt ids; tokens/s after the first token. Ours is
    an `Engine` with `decodespec serve`'s defaults (its weight format and
-   backend, read from the CLI's own parser); llama.cpp's is llama-cpp-python
-   (the peer the conformance suite and `make bench-quant` use);
+   backend, read from the CLI's own parser, and `OMP_WAIT_POLICY=PASSIVE`
+   as the command sets it); llama.cpp's is llama-cpp-python (the peer the
+   conformance suite and `make bench-quant` use), in a process of its own
+   (`llama_cpp_child`) and the environment the bench started with: both
+   load the same OpenMP runtime, which takes one wait policy a process, and
+   PASSIVE slows llama.cpp by a third;
 2. prefill: the same `PREFILL_TOKENS`-token prompt, in-process, from the
    start to the first generated token (no prefix cache on either side);
    prompt tokens/s;
@@ -66,7 +70,14 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.serve import load
+# As the `decodespec` command does, before torch loads libgomp (tests.serve imports
+# it): PyTorch's OpenMP threads sleep between operations instead of spinning on the
+# core the C product's thread needs (reference/__main__.py). llama.cpp (llama-server,
+# and llama-cpp-python in `llama_cpp_child`) runs in the environment the bench had.
+PEER_ENV = dict(os.environ)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from tests.serve import load  # noqa: E402 (after the environment is set)
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "results" / "versus-llama-cpu.json"
@@ -428,7 +439,7 @@ def llama_server(binary: Path, model: Path, threads: int, context: int, log_dir:
         "--cont-batching",
         "--no-webui",
     ]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("LLAMA_ARG_")}
+    env = {key: value for key, value in PEER_ENV.items() if not key.startswith("LLAMA_ARG_")}
     return ServerProcess(
         "llama-server", command, port, "/health", log_dir / "llama-server.log", env
     )
@@ -518,13 +529,37 @@ def ours_prefill(engine, ids: list[int]) -> float:
     raise RuntimeError("no token")
 
 
-def llama_cpp_prefill(llm, ids: list[int]) -> float:
-    """llama.cpp's prompt tokens/s: from an empty context to its first generated token."""
-    llm.reset()
-    start = time.perf_counter()
-    for _token in llm.generate(ids, temp=0.0, repeat_penalty=1.0, reset=True):
-        return len(ids) / (time.perf_counter() - start)
-    raise RuntimeError("no token")
+class LlamaCppProcess:
+    """llama-cpp-python in a process of its own (`llama_cpp_child`), in `PEER_ENV`."""
+
+    def __init__(self, model: Path, threads: int) -> None:
+        command = [sys.executable, "-m", "tests.benchmarks.llama_cpp_child", str(model),
+                   str(threads)]  # fmt: skip
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env=PEER_ENV, text=True)  # fmt: skip
+        self._answer()  # loaded
+
+    def _answer(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama_cpp_child ended (status {self.process.wait()})")
+        return json.loads(line)
+
+    def ask(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def decode(self, ids: list[int], tokens: int) -> tuple[float, list[int]]:
+        answer = self.ask({"op": "decode", "ids": ids, "tokens": tokens})
+        return answer["rate"], answer["tokens"]
+
+    def prefill(self, ids: list[int]) -> float:
+        return self.ask({"op": "prefill", "ids": ids})["rate"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -554,14 +589,13 @@ def best(runs: list[dict]) -> dict:
 
 
 def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dict:
-    import llama_cpp
     import torch
 
     from decodespec.reference.engine import Engine
     from decodespec.reference.loader import load_model
     from decodespec.reference.model_files import bundled_model_path
     from decodespec.reference.weight_formats import describe
-    from tests.benchmarks.quant import llama_cpp_decode, ours_decode, prompt_ids
+    from tests.benchmarks.quant import ours_decode, prompt_ids
 
     torch.set_num_threads(args.threads)
     path = bundled_model_path()
@@ -576,15 +610,6 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
         seed=0,
     )
     del weights
-    llm = llama_cpp.Llama(
-        model_path=str(path),
-        n_ctx=1024,
-        n_batch=512,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-        seed=0,
-        verbose=False,
-    )
     decode_ids = prompt_ids(tokenizer)
     prefill_ids = prefill_prompt(tokenizer, args.prefill_tokens)
     ours_info = {
@@ -598,6 +623,7 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
             "layout": describe(engine.weights),
             "native_step": getattr(engine.runner, "native", None) is not None,
             "prefix_caching": False,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         },
     }
 
@@ -609,6 +635,8 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
     models: dict[str, str] = {}
     checks: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
+        llm = LlamaCppProcess(path, args.threads)
+        stack.callback(llm.close)
         log("starting decodespec serve (its defaults) ...")
         servers["decodespec"] = stack.enter_context(decodespec_server(args.threads, log_dir))
         if binary is not None:
@@ -622,23 +650,23 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
             checks[name] = check_stream(server, models[name], load.PROMPTS[0], args.serve_tokens)
         if not args.smoke:  # warm up: first calls, and both servers' prefix caches
             ours_decode(engine, decode_ids, 8)
-            llama_cpp_decode(llm, decode_ids, 8)
+            llm.decode(decode_ids, 8)
             ours_prefill(engine, prefill_ids)
-            llama_cpp_prefill(llm, prefill_ids)
+            llm.prefill(prefill_ids)
             for name, server in servers.items():
                 serve_run(server, models[name], max(CONCURRENCY), max(CONCURRENCY), 4)
         for round_ in range(args.rounds):
             tag = f"round {round_ + 1}/{args.rounds}"
             rate, outputs["decodespec"] = ours_decode(engine, decode_ids, args.decode_tokens)
             decode["decodespec"].append(rate)
-            rate, outputs["llama.cpp"] = llama_cpp_decode(llm, decode_ids, args.decode_tokens)
+            rate, outputs["llama.cpp"] = llm.decode(decode_ids, args.decode_tokens)
             decode["llama.cpp"].append(rate)
             log(
                 f"{tag} decode: decodespec {decode['decodespec'][-1]:.1f}, "
                 f"llama.cpp {rate:.1f} tokens/s"
             )
             prefill["decodespec"].append(ours_prefill(engine, prefill_ids))
-            prefill["llama.cpp"].append(llama_cpp_prefill(llm, prefill_ids))
+            prefill["llama.cpp"].append(llm.prefill(prefill_ids))
             log(
                 f"{tag} prefill: decodespec {prefill['decodespec'][-1]:.0f}, "
                 f"llama.cpp {prefill['llama.cpp'][-1]:.0f} tokens/s"
@@ -668,6 +696,8 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
         "decodespec": ours_info,
         "llama_cpp_in_process": {
             "package": f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
+            "process": "its own (tests/benchmarks/llama_cpp_child.py), OMP_WAIT_POLICY "
+            f"{PEER_ENV.get('OMP_WAIT_POLICY', 'unset (active)')}",
             "options": {
                 "n_ctx": 1024,
                 "n_batch": 512,

@@ -4,11 +4,14 @@ any composition, after a cached prefix, and with speculative decoding (issue 40)
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decodespec.reference import cpu_linear
 from decodespec.reference.batch_invariance import (
     ROW_BLOCK,
     ROW_STEP,
@@ -21,6 +24,7 @@ from decodespec.reference.weight_formats import convert_weights, describe
 from decodespec.spec import sampling
 from decodespec.spec.generate import generate
 from decodespec.spec.params import SamplingParams
+from decodespec.spec.quant import quantize_weight
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
 # Wide enough that the CPU GEMM takes different kernels for different row counts
@@ -79,6 +83,26 @@ def test_a_row_blocked_projection_gives_each_row_the_same_bits(rows, shape):
     batch[position] = row[0]
     assert torch.equal(weight.linear(batch)[position], alone[0])
     assert torch.allclose(alone, row @ weight.unwrapped.T, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 100])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_blocked_quantized_projection_gives_each_row_the_same_bits(rows, bits):
+    """The same for the C product, whose long passes take a float32 GEMM
+    (`cpu_linear.GEMM_FROM_ROWS`): row-blocked, no pass reaches it."""
+    g = torch.Generator().manual_seed(rows)
+    group = 32 if bits == 4 else 256
+    quantized = quantize_weight(torch.randn(512, 256, generator=g), bits=bits, group_size=group)
+    weight = RowBlockLinear(cpu_linear.pack(quantized))
+    row = torch.randn(1, 256, generator=g)
+    alone = weight.linear(row)
+    batch = torch.randn(rows, 256, generator=g)
+    batch[rows // 2] = row[0]
+    gemm = mock.patch.object(
+        cpu_linear.ActivationQuantizedLinear, "gemm", side_effect=AssertionError
+    )
+    with gemm:
+        assert torch.equal(weight.linear(batch)[rows // 2], alone[0])
 
 
 def test_row_blocked_weights_keep_their_formats(models):

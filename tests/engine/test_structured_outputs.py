@@ -29,6 +29,7 @@ from decodespec.spec.params import SamplingParams
 from decodespec.spec.token_mask import allowed_token_mask
 from tests.engine.test_engine_vs_spec import (
     ForcedChoice,
+    RankSlack,
     assert_logprobs_match,
     draft_model_of,
     request_params,
@@ -165,6 +166,7 @@ def check(engine: Engine, weights, workload, ids, events, skip=()) -> None:
                 eos_token_ids=TOKENIZER.eos_token_ids,
                 token_bytes=TOKENIZER.token_bytes,
                 sample=ForcedChoice(tokens),
+                compute_logprobs=(slack := RankSlack()),
                 matcher=matcher,
             )
         )
@@ -173,8 +175,10 @@ def check(engine: Engine, weights, workload, ids, events, skip=()) -> None:
         assert [e.finish_reason for e in events[request_id]] == [
             s.finish_reason for s in expected
         ], where
+        slacks = iter(slack.slack)
         for e, s in zip(events[request_id], expected, strict=True):
-            assert_logprobs_match(e.logprobs, s.logprobs, where)
+            step_slack = 0 if s.logprobs is None else next(slacks)
+            assert_logprobs_match(e.logprobs, s.logprobs, where, step_slack)
             ids = [[t for t, _ in lp.top] for lp in (e.logprobs, s.logprobs) if lp is not None]
             if len(ids) == 2 and ids[0] == ids[1]:
                 # The alternatives the grammar removed (LOOP-GRAMMAR-1).

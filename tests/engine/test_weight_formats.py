@@ -12,6 +12,8 @@ in float64; how far each format's outputs move from float32 is a measurement
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 from unittest import mock
 
 import pytest
@@ -19,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodespec.reference import cpu_linear
+from decodespec.reference import cpu_linear, native_library
 from decodespec.reference.engine import Engine
 from decodespec.reference.weight_formats import (
     PROJECTIONS,
@@ -30,7 +32,14 @@ from decodespec.reference.weight_formats import (
     weight_bytes,
 )
 from decodespec.spec.forward import forward_naive
-from decodespec.spec.quant import QuantizedWeight, quantize_weight, quantized_linear
+from decodespec.spec.params import SamplingParams
+from decodespec.spec.quant import (
+    QuantizedWeight,
+    activation_quantized_linear,
+    pack_codes,
+    quantize_weight,
+    quantized_linear,
+)
 from decodespec.spec.registry import RELATIVE
 from tests.engine import test_engine_vs_spec
 from tests.engine import test_structured_outputs as structured
@@ -191,6 +200,142 @@ def test_siblings_of_one_input_share_a_kernel_call_and_equal_their_own(bits):
     assert calls == 4, "one kernel call per input (y, x, y after x)"
     assert members[1].shape == (16, 64)
     assert torch.equal(members[2].dequantize(), alone[2].dequantize())
+
+
+F32_RTOL = RELATIVE.rtol[torch.float32]  # QUANT-TOL-1
+
+
+def a8_error(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> float:
+    """QUANT-TOL-1's error against QUANT-A8-1's definition (in float64)."""
+    want = activation_quantized_linear(x.double(), weight.qweight, weight.scales.double(),
+                                       weight.offsets.double(), group_size=weight.group_size,
+                                       bits=weight.bits)  # fmt: skip
+    terms = x.double().abs() @ weight.dequantize().double().abs().T
+    scale = max(float(want.norm()), float(terms.norm()) / x.shape[1] ** 0.5)
+    return float((out.double() - want).norm()) / scale
+
+
+@pytest.mark.clause("QUANT-A8-1", "QUANT-TOL-1")
+@settings(max_examples=30)
+@given(
+    bits=st.sampled_from((4, 8)),
+    rows=st.integers(1, 70),
+    groups=st.integers(1, 4),
+    group_size=st.sampled_from((32, 64, 96)),
+    tokens=st.integers(1, 3 * cpu_linear.GEMM_FROM_ROWS),
+    dtype=st.sampled_from((torch.float32, torch.bfloat16, torch.float16)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_c_product_computes_the_activation_quantized_linear(
+    bits, rows, groups, group_size, tokens, dtype, seed
+):
+    """`ActivationQuantizedLinear` (`native_quantized.c`'s integer product below
+    `GEMM_FROM_ROWS` tokens, the float32 GEMM from it) against the definition at
+    float32's tolerance, whatever the activations' dtype; and each row's product is
+    the row's alone (computed by itself: the same bits) below the GEMM."""
+    g = torch.Generator().manual_seed(seed)
+    columns = groups * group_size
+    group = group_size if bits == 4 else columns
+    weight = quantize_weight(torch.randn(rows, columns, generator=g), bits=bits, group_size=group)
+    kernel = cpu_linear.pack(weight)
+    assert isinstance(kernel, cpu_linear.ActivationQuantizedLinear)
+    x = (torch.randn(tokens, columns, generator=g) * 3).to(dtype)
+    out = kernel.linear(x)
+    assert out.shape == (tokens, rows) and out.dtype == dtype
+    tolerance = F32_RTOL if dtype == torch.float32 else RELATIVE.rtol[dtype]  # output rounding
+    assert a8_error(out, x, weight) < tolerance
+    if tokens < cpu_linear.GEMM_FROM_ROWS:
+        assert torch.equal(kernel.linear(x[-1:]), out[-1:])
+
+
+def test_the_c_products_threads_serve_two_callers_and_a_forked_child():
+    """The product's row threads (`native_quantized.c`'s pool) with two Python threads
+    calling at once (ctypes releases the GIL), and in a child forked after the pool
+    started: every result is the one-thread result, bit for bit, and nothing hangs."""
+    g = torch.Generator().manual_seed(7)
+    kernels = [cpu_linear.pack(quantize_weight(torch.randn(300, 96, generator=g), bits=4,
+                                               group_size=32)) for _ in range(2)]  # fmt: skip
+    inputs = [torch.randn(3, 96, generator=g) for _ in range(2)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = [k.linear(x) for k, x in zip(kernels, inputs, strict=True)]
+        torch.set_num_threads(2)
+        results: list[list[bool]] = [[], []]
+
+        def call(i: int) -> None:
+            for _ in range(200):
+                results[i].append(torch.equal(kernels[i].linear(inputs[i]), alone[i]))
+
+        workers = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=60)
+        assert not any(w.is_alive() for w in workers), "a caller hangs"
+        assert all(results[0]) and all(results[1]) and len(results[0]) == 200
+        pid = os.fork()
+        if pid == 0:  # the child: its parent's pool threads do not exist here
+            same = torch.equal(kernels[0].linear(inputs[0]), alone[0])
+            os._exit(0 if same else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.clause("QUANT-GROUP-1", "QUANT-CODES-1")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [2, 6, 16, 32, 48, 64, 256])
+def test_the_c_dequantize_is_the_specs_bit_for_bit(bits, group_size):
+    """`native_quantized.c`'s `dequantize` (its AVX2 loop for groups of multiples of 16, its scalar
+    one otherwise) against `spec.quant.dequantize_weight`, scales and offsets of
+    both signs and zero."""
+    g = torch.Generator().manual_seed(group_size)
+    rows, columns = 5, group_size * 3
+    low, high = (0, 16) if bits == 4 else (-128, 128)
+    codes = torch.randint(low, high, (rows, columns), generator=g)
+    scales = torch.randn(rows, 3, generator=g)
+    offsets = torch.randn(rows, 3, generator=g) if bits == 4 else torch.zeros(rows, 3)
+    scales[0, 0], offsets[1, 1] = 0.0, -0.0
+    weight = QuantizedWeight(pack_codes(codes, bits=bits), scales, offsets, group_size, bits)
+    dense = torch.empty(rows, columns)
+    native_library.library().dequantize(
+        weight.qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), bits, rows, columns,
+        group_size, dense.data_ptr(),
+    )  # fmt: skip
+    assert torch.equal(dense, weight.dequantize())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_without_the_c_library_the_projections_take_pytorchs_kernels(bits, monkeypatch):
+    """`DECODESPEC_NATIVE=0` (as no compiler): PyTorch's CPU kernels, bfloat16
+    activations, within QUANT-LINEAR-1's bfloat16 tolerance."""
+    g = torch.Generator().manual_seed(bits)
+    group = 32 if bits == 4 else 64
+    weight = quantize_weight(torch.randn(40, 64, generator=g), bits=bits, group_size=group)
+    monkeypatch.setenv("DECODESPEC_NATIVE", "0")
+    kernel = cpu_linear.pack(weight)
+    assert isinstance(kernel, cpu_linear.CpuInt4Linear if bits == 4 else cpu_linear.CpuInt8Linear)
+    x = torch.randn(cpu_linear.GEMM_FROM_ROWS + 3, 64, generator=g)
+    assert kernel_error(kernel.linear(x), x, weight) < BF16_RTOL
+
+
+@pytest.mark.clause("LOOP-PREFILL-1", "FWD-QUANT-1")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_long_prompt_on_the_gemm_is_the_spec_loop(fmt):
+    """A 45-token prompt prefilled in one pass (the torch backend's float32 GEMM),
+    then decoded by the C product, against the spec loop."""
+    engine = Engine(model(3, fmt), ByteTokenizer(), backend="torch", token_budget=None)
+    prompt = list(range(7, 52))
+    assert len(prompt) >= cpu_linear.GEMM_FROM_ROWS
+    workload = [(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), 0)]
+    gemm = cpu_linear.ActivationQuantizedLinear.gemm
+    with mock.patch.object(cpu_linear.ActivationQuantizedLinear, "gemm", autospec=True,
+                           side_effect=gemm) as spy:  # fmt: skip
+        ran = run_workload(engine, workload)
+    assert spy.call_count > 0
+    check_all(engine, *ran)
 
 
 # ---------------------------------------------------------------- converting at load
