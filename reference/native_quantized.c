@@ -6,10 +6,11 @@
  * block's scales. A 4-bit weight row is read once per token at half a byte a
  * weight, and 32 products cost one multiply-add instruction pair (AVX2
  * `maddubs`/`madd`) instead of four conversions and four float FMAs: on a 2-core
- * AVX2 machine a decode step's projections take a third of PyTorch's int4
- * kernel's time. Each (weight row, activation row) sum runs in one order, block
- * after block, whatever the number of rows and however the rows are split among
- * threads: a row's result never depends on its batch.
+ * AVX2 machine a decode step's projections take about half of PyTorch's kernels'
+ * time (tests/benchmarks/quantized_product.py). Each (weight row, activation row)
+ * sum runs in one order, block after block, whatever the number of rows and
+ * however the rows are split among threads: a row's result never depends on its
+ * batch.
  *
  * `dequantize` writes group-quantized weights as float32 (QUANT-GROUP-1, bit for
  * bit `spec.quant.dequantize_weight`), for the float32 GEMM of long passes.
@@ -277,53 +278,11 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
 /* The AVX2 form: each block's 32 products summed exactly in integers (|sum| < 2^15
  * per pair of products), its float terms in 8 lanes. */
 #define AVX2 __attribute__((target("avx2,fma")))
-/* Rows m0 .. m0 + T - 1 of x times weight row n: each block's weights expanded once
- * for the T rows. T is a constant where this is called, so the accumulators stay in
- * registers; each (n, m) sum is the same whatever T: even blocks in one vector, odd
- * ones in another (two chains of FMAs, not one), added at the end. */
-AVX2 __attribute__((always_inline)) static inline void tile_avx2(const product_args *p,
-                                                                 int64_t n, int64_t m0,
-                                                                 const int T, const int bits) {
-    const int64_t blocks = p->k / BLOCK, groups = p->k / p->group, per_group = p->group / BLOCK;
-    const uint8_t *row = p->codes + n * (bits == 4 ? p->k / 2 : p->k);
-    const float *s = p->scales + n * groups, *o = p->offsets + n * groups;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 even[4], odd[4];
-    float offset[4];
-    for (int t = 0; t < T; t++) even[t] = odd[t] = _mm256_setzero_ps(), offset[t] = 0.0f;
-    for (int64_t g = 0, b = 0; g < groups; g++)
-        for (int64_t i = 0; i < per_group; i++, b++) {
-            __m256i w;
-            if (bits == 4) {
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * (BLOCK / 2)));
-                w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes),
-                                     _mm256_set1_epi8(15)); /* low nibbles, then high */
-            } else {
-                w = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
-            }
-            for (int t = 0; t < T; t++) {
-                const int64_t m = m0 + t;
-                __m256i x = _mm256_loadu_si256((const __m256i *)(p->x_codes + m * p->k + b * BLOCK));
-                /* maddubs multiplies unsigned by signed: for int8, |w| by x with w's sign */
-                __m256i pairs = bits == 4 ? _mm256_maddubs_epi16(w, x)
-                                          : _mm256_maddubs_epi16(_mm256_sign_epi8(w, w),
-                                                                 _mm256_sign_epi8(x, w));
-                __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                __m256 scale = _mm256_set1_ps(s[g] * p->d[m * blocks + b]);
-                if (b % 2)
-                    odd[t] = _mm256_fmadd_ps(scale, sums, odd[t]);
-                else
-                    even[t] = _mm256_fmadd_ps(scale, sums, even[t]);
-                offset[t] += o[g] * p->d_sum[m * blocks + b];
-            }
-        }
-    for (int t = 0; t < T; t++)
-        store(p, m0 + t, n, p->n_rows, hsum256(_mm256_add_ps(even[t], odd[t])) + offset[t]);
-}
-
-/* tile_avx2 for one row of x (decoding), written out: the same operations in the same
- * order, so the same bits, in a loop the compiler keeps wholly in registers (groups of
- * one block, GGUF's, in a loop of their own: a third faster than the nested one). */
+/* Weight row n times activation row m: blocks in order, even ones into one vector and
+ * odd ones into another (two chains of FMAs, not one), added at the end. Groups of one
+ * block (GGUF's) take a loop of their own, a third faster than the nested one. Each
+ * pair of rows is computed alone: expanding a weight row's codes once for several
+ * activation rows measured no faster (the products, not the codes, bound it). */
 #define ROW_BLOCK_STEP(b, g)                                                                      \
     do {                                                                                          \
         __m256i x = _mm256_loadu_si256((const __m256i *)(c + (b) * BLOCK)), pairs;                \
@@ -366,15 +325,8 @@ AVX2 __attribute__((always_inline)) static inline void row_avx2(const product_ar
 #define ROWS_AVX2(name, bits)                                                                   \
     AVX2 static void name(const void *a, int64_t begin, int64_t end) {                          \
         const product_args *p = a;                                                              \
-        for (int64_t n = begin; n < end; n++) {                                                 \
-            int64_t m0 = 0;                                                                     \
-            for (; m0 + 4 <= p->m; m0 += 4) tile_avx2(p, n, m0, 4, bits);                       \
-            switch (p->m - m0) {                                                                \
-            case 3: tile_avx2(p, n, m0, 3, bits); break;                                        \
-            case 2: tile_avx2(p, n, m0, 2, bits); break;                                        \
-            case 1: row_avx2(p, n, m0, bits); break;                                            \
-            }                                                                                   \
-        }                                                                                       \
+        for (int64_t n = begin; n < end; n++)                                                   \
+            for (int64_t m = 0; m < p->m; m++) row_avx2(p, n, m, bits);                         \
     }
 ROWS_AVX2(int4_rows_avx2, 4)
 ROWS_AVX2(int8_rows_avx2, 8)
