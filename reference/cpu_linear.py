@@ -249,6 +249,9 @@ class ActivationQuantizedLinear:
         )
         self.shape = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
+        w = self.quantized  # the weight's arguments of every call, bound once
+        self._weight = (w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
+                        w.bits, *self.shape, w.group_size)  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -263,13 +266,12 @@ class ActivationQuantizedLinear:
 
     def product(self, x: Tensor) -> Tensor:
         """QUANT-A8-1 by integer dot products: float32 or bfloat16 `x`, `y` the same."""
-        w, x = self.quantized, x.contiguous()
+        x = x.contiguous()
         y = torch.empty(x.shape[0], self.shape[0], dtype=x.dtype)
+        bf16, threads = x.dtype == KERNEL_DTYPE, torch.get_num_threads()
         failed = self.lib.quantized_product(
-            w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.bits,
-            self.shape[0], self.shape[1], w.group_size, x.data_ptr(), x.dtype == KERNEL_DTYPE,
-            x.shape[0], y.data_ptr(), y.dtype == KERNEL_DTYPE, torch.get_num_threads(),
-        )  # fmt: skip
+            *self._weight, x.data_ptr(), bf16, x.shape[0], y.data_ptr(), bf16, threads
+        )
         if failed:
             raise MemoryError("no memory for the activations' int8 codes")
         return y
