@@ -56,10 +56,11 @@ KERNEL_DTYPE = torch.bfloat16
 ROW_PACK = 16  # the int4 kernel's rows per packed tile
 INT8_COLUMNS = 16  # the int8 kernel's columns per step
 ACTIVATION_BLOCK = 32  # QUANT-A8-1's activations per scale
-# Passes of this many tokens or more: the float32 GEMM. SmolLM2-135M, every projection
-# of a pass, 2 cores (AVX2): int4 64 tokens 331 ms by the GEMM against 483 ms on
-# PyTorch's int4 kernel, 32 tokens 209 against 227, 16 tokens 172 against 116.
-GEMM_FROM_ROWS = 32
+# Passes of this many tokens or more: the float32 GEMM, whose cost grows more slowly
+# with the tokens than the integer product's (which is linear in them). SmolLM2-135M's
+# gate/up of 30 layers, 2 cores (AVX2; tests/benchmarks/quantized_product.py): the
+# product and the GEMM cross near 64 tokens, the default token budget's prefill chunk.
+GEMM_FROM_ROWS = 64
 # byte -> its two 4-bit codes as two int32, low nibble first (QUANT-CODES-1's order),
 # held as one int64 so that a lookup copies one machine word
 _NIBBLE_PAIRS = np.array([[b & 0x0F, b >> 4] for b in range(256)], dtype=np.int32).view(np.int64)

@@ -11,10 +11,12 @@ caches; one layer's do), and for the output projection, the milliseconds of:
   weight-only kernels (bfloat16 activations), the torch backend's path
   without the C library;
 - `c`: `cpu_linear.ActivationQuantizedLinear`, QUANT-A8-1 in C
-  (`native_quantized.c`): the integer product below `GEMM_FROM_ROWS` tokens,
-  the float32 GEMM on dequantized weights from it.
+  (`native_quantized.c`) as `linear` routes it: the integer product below
+  `GEMM_FROM_ROWS` tokens, the float32 GEMM on dequantized weights from it;
+- from 16 tokens, both of its routes (`product`, `gemm`), which is where
+  `GEMM_FROM_ROWS` comes from.
 
-at 1, 4, 16 and 64 tokens. Rounds interleave the two; the best round counts.
+at 1, 4, 16, 32, 64 and 128 tokens. Rounds interleave them; the best round counts.
 Run it on a quiet machine, with `OMP_WAIT_POLICY=PASSIVE` (as the `decodespec`
 command sets it): PyTorch's spinning OpenMP threads would hold the core the C
 product's second thread needs.
@@ -46,7 +48,7 @@ SHAPES = (
     ("down ×30", 4, 576 * 30, 1536, 32),
     ("output", 8, 49152, 576, 576),
 )
-TOKENS = (1, 4, 16, 64)
+TOKENS = (1, 4, 16, 32, 64, 128)
 
 
 def best_ms(product, x: torch.Tensor, calls: int) -> float:
@@ -68,13 +70,16 @@ def measure(threads: int, rounds: int) -> list[dict]:
         for tokens in TOKENS:
             x = torch.randn(tokens, k)
             calls = max(1, 16 // tokens)
-            times = {"pytorch": [], "c": []}
+            routes = {"pytorch": theirs.linear, "c": ours.linear}
+            if tokens >= 16:
+                routes |= {"c_product": ours.product, "c_gemm": ours.gemm}
+            times = {route: [] for route in routes}
             for _ in range(rounds):
-                times["pytorch"].append(best_ms(theirs.linear, x, calls))
-                times["c"].append(best_ms(ours.linear, x, calls))
+                for route, product in routes.items():
+                    times[route].append(best_ms(product, x, calls))
             row = {"shape": name, "bits": bits, "rows": n, "in_features": k, "tokens": tokens,
                    "route": "gemm" if tokens >= cpu_linear.GEMM_FROM_ROWS else "integer product",
-                   "pytorch_ms": min(times["pytorch"]), "c_ms": min(times["c"])}  # fmt: skip
+                   **{f"{route}_ms": min(values) for route, values in times.items()}}  # fmt: skip
             row["speedup"] = row["pytorch_ms"] / row["c_ms"]
             summary = f"PyTorch {row['pytorch_ms']:8.2f} ms, C {row['c_ms']:8.2f} ms"
             print(f"{name:12} {tokens:3} tokens: {summary} ({row['route']}), "
