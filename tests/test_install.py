@@ -169,10 +169,12 @@ print(json.dumps({
 def test_installed_command_generates_with_the_bundled_model(installed):
     command = installed.python.with_name("decodespec")
     out = run(
-        [str(command), "generate", "What is the capital of France?", "--max-tokens", "8"],
+        [str(command), "generate", "What is the capital of Germany?", "--max-tokens", "8"],
         installed.outside,
     )
-    assert "Paris" in out
+    # Not France's: there the default (QUANT-A8-1, as llama.cpp computes the file)
+    # and float32 break a near tie differently (tests/engine/test_cli.py).
+    assert "Berlin" in out
 
 
 def test_conformance_suite_passes_against_the_installed_kernels(installed):
