@@ -58,9 +58,11 @@ INT8_COLUMNS = 16  # the int8 kernel's columns per step
 ACTIVATION_BLOCK = 32  # QUANT-A8-1's activations per scale
 # Passes of this many tokens or more: the float32 GEMM, whose cost grows more slowly
 # with the tokens than the integer product's (which is linear in them). SmolLM2-135M's
-# gate/up of 30 layers, 2 cores (AVX2; tests/benchmarks/quantized_product.py): the
-# product and the GEMM cross near 64 tokens, the default token budget's prefill chunk.
-GEMM_FROM_ROWS = 64
+# projections, 30 layers each, 2 cores (AVX2; results/quantized-product-cpu.json): at
+# 64 tokens the product is faster for every shape (gate/up 177 against 200 ms), at
+# 128 the GEMM (330 against 381 ms). The default token budget's chunks (64) stay on
+# the product.
+GEMM_FROM_ROWS = 128
 # byte -> its two 4-bit codes as two int32, low nibble first (QUANT-CODES-1's order),
 # held as one int64 so that a lookup copies one machine word
 _NIBBLE_PAIRS = np.array([[b & 0x0F, b >> 4] for b in range(256)], dtype=np.int32).view(np.int64)
