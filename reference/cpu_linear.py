@@ -376,7 +376,7 @@ def pack(weight: QuantizedWeight) -> CpuKernel:
 
 def _library() -> object | None:
     """The C library, or None: `DECODESPEC_NATIVE=0`, or it cannot be built or loaded
-    (`native_step` says why on stderr, once)."""
+    (`native_library` says why on stderr, once)."""
     if native_library.disabled():
         return None
     try:

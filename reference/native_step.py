@@ -68,7 +68,8 @@ from .cpu_linear import ActivationQuantizedLinear, SharedInputMember
 from .native_library import NativeUnavailable, describe, library
 
 # Longer passes run the batched PyTorch path, faster for one prompt from about 56 tokens
-# (SmolLM2-135M int4, 2 cores: 48 tokens 81 ms native, 84 ms batched; 64 tokens 111 and 107).
+# (SmolLM2-135M int4 on PyTorch's kernels, 2 cores: 48 tokens 81 ms native, 84 ms batched;
+# 64 tokens 111 and 107; not remeasured with the C product).
 MAX_TOKENS = 48
 
 
