@@ -98,6 +98,18 @@ class Sampler:
             token_bitmask=bitmask,
         )
 
+    def choose_greedy(self, logits: Tensor) -> list[PassOutcome]:
+        """`choose` for a pass of plain greedy rows (`plain_greedy`), one a request:
+        each row's first argmax (SAMPLE-GREEDY-1) where it is valid (SAMPLE-VALID-1),
+        without the sampling tensors. A row's maximum is finite exactly when it has no
+        NaN, no +inf and a value above −inf, so it is the validity check too."""
+        maxima, tokens = logits.max(dim=-1)  # the index of a row's first maximum
+        valid = torch.isfinite(maxima).tolist()
+        return [
+            PassOutcome([token], [None], [None]) if ok else PassOutcome(error=MODEL_INVALID)
+            for token, ok in zip(tokens.tolist(), valid, strict=True)
+        ]
+
     # -- the stage functions, row by row, with invalid rows as reasons
 
     def sample(self, logits: Tensor, tensors: SamplingTensors) -> tuple[Tensor, list[str | None]]:
@@ -297,6 +309,8 @@ class Sampler:
         `drafts[b]`, masked by `drafts[b].bitmask`; a request without drafts samples
         one token, the others verify theirs. Then the logprobs and, with `show_probs`
         > 0, the candidates of the tokens chosen."""
+        if not show_probs and all(map(plain_greedy, states, outputs, drafts)):
+            return self.choose_greedy(logits)
         counts = [len(d.tokens) + 1 for d in drafts]
         first = list(itertools.accumulate(counts, initial=0))
         owners = [state for state, count in zip(states, counts, strict=True) for _ in range(count)]
@@ -353,6 +367,24 @@ class Sampler:
             )
             for tokens, end, draft, error in zip(emitted, ends, drafts, errors, strict=True)
         ]
+
+
+def plain_greedy(state: LogitsState, output: list[int], draft: Draft) -> bool:
+    """Whether a request's token is its raw logits' first argmax, nothing else asked:
+    greedy, no drafts, no grammar, no processor that changes a logit at this step
+    (no bias, min_tokens reached, no penalties: LOGITS-ORDER-1) and no logprobs."""
+    p = state.params
+    return (
+        p.temperature == 0
+        and not draft.tokens
+        and draft.bitmask is None
+        and not p.logit_bias
+        and p.min_tokens <= len(output)
+        and p.repetition_penalty == 1
+        and p.frequency_penalty == 0
+        and p.presence_penalty == 0
+        and p.top_logprobs is None
+    )
 
 
 def invalid_reasons(
