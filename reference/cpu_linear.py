@@ -252,8 +252,8 @@ class ActivationQuantizedLinear:
         )
         self.shape = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
-        w = self.quantized  # the weight's arguments of every call, bound once
-        self._weight = (w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
+        w = self.quantized  # the weight's arguments of every call (native_step's too)
+        self.arguments = (w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
                         w.bits, *self.shape, w.group_size)  # fmt: skip
 
     @property
@@ -273,7 +273,7 @@ class ActivationQuantizedLinear:
         y = torch.empty(x.shape[0], self.shape[0], dtype=x.dtype)
         bf16, threads = x.dtype == KERNEL_DTYPE, torch.get_num_threads()
         failed = self.lib.quantized_product(
-            *self._weight, x.data_ptr(), bf16, x.shape[0], y.data_ptr(), bf16, threads
+            *self.arguments, x.data_ptr(), bf16, x.shape[0], y.data_ptr(), bf16, threads
         )
         if failed:
             raise MemoryError("no memory for the activations' int8 codes")

@@ -35,6 +35,8 @@ _SIGNATURES = {
     "silu_mul": [_VOID_P, _I64, _I64, _VOID_P, _I64],
     "attention": [_VOID_P, _I64, _VOID_P, _I64, _I64, _I64, _VOID_P, _VOID_P, _VOID_P, _VOID_P,
                   _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P],
+    "decoder_layers": [_VOID_P, _VOID_P, _I64, _VOID_P, _F32, _VOID_P, _I64, _VOID_P, _VOID_P,
+                       _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _I64],
     # The stage contract's operations, which `attention` calls (native_attention.py).
     "append_kv": [_VOID_P, _I64, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _I64],
     "paged_attention": [_VOID_P, _I64, _I64, _I64, _I64, _F32, _VOID_P, _VOID_P, _I64, _VOID_P,
@@ -45,8 +47,8 @@ _SIGNATURES = {
     "quantize_activations": [_VOID_P, _I64, _I64, _VOID_P, _VOID_P],
     "dequantize": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P],
 }  # fmt: skip
-_RESULTS = {"quantized_product": ctypes.c_int, "compiler_version": ctypes.c_char_p,
-            "quantized_isa": ctypes.c_char_p}  # fmt: skip
+_RESULTS = {"quantized_product": ctypes.c_int, "decoder_layers": ctypes.c_int,
+            "compiler_version": ctypes.c_char_p, "quantized_isa": ctypes.c_char_p}  # fmt: skip
 
 
 class NativeUnavailable(RuntimeError):

@@ -4,8 +4,9 @@
  * native_quantized.c, float32 in and out) and some seventy small tensor
  * operations between them: norms, RoPE, the KV append, attention, SiLU, the
  * residual adds. At one token a step, dispatching those operations one by one
- * costs more than computing them. Here they are three functions (four calls
- * a layer) over float32 rows, with the same arithmetic.
+ * costs more than computing them. Here they are three functions over float32
+ * rows, with the same arithmetic, and `decoder_layers` runs every layer, its
+ * products included, in one call.
  *
  * Attention is three entry points: `append_kv` and `paged_attention`, the
  * stage contract's operations (native_attention.py wraps them for the
@@ -18,6 +19,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The compiler that built this library, for the engine's report of which path runs. */
@@ -138,7 +140,7 @@ void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv
 }
 
 /* One layer's attention for the decode step's packed tokens (FWD-ATTN-1):
- * q, k, v from the bfloat16 rows of `qkv` (+ float32 `bias` unless NULL), RoPE
+ * q, k, v from the float32 rows of `qkv` (+ `bias` unless NULL), RoPE
  * on q and k by `cos`/`sin` `[tokens, head_dim / 2]`; then `append_kv` writes
  * every token's k and v to the float32 paged cache at `slot_mapping` (rows
  * attend to later rows' keys of their own sequence only causally, but all are
@@ -169,4 +171,73 @@ void attention(const float *qkv, int64_t qkv_stride, const float *bias, int64_t 
     paged_attention(rows, width, heads, kv_heads, head_dim, 1.0f / sqrtf((float)head_dim),
                     k_cache, v_cache, block_size, block_table, max_blocks, seq_lens,
                     query_start, batch, rows + tokens * width, out, NULL);
+}
+
+/* native_quantized.c: QUANT-A8-1's product, y [m, n] = x [m, k] · W (float32 here). */
+int quantized_product(const uint8_t *codes, const float *scales, const float *offsets,
+                      int64_t bits, int64_t n, int64_t k, int64_t group, const void *x,
+                      int64_t x_bf16, int64_t m, void *y, int64_t y_bf16, int64_t threads);
+
+/* A layer's row of `decoder_layers`' table: its four projections as quantized weights
+ * (WEIGHT_FIELDS each: codes, scales, offsets addresses; bits, rows, columns, group
+ * size), then the addresses of its two norms' weights and of its q, k and v biases
+ * side by side (0: none). native_step.py writes it. */
+enum { W_CODES, W_SCALES, W_OFFSETS, W_BITS, W_ROWS, W_COLUMNS, W_GROUP, WEIGHT_FIELDS };
+enum { L_QKV = 0, L_O = WEIGHT_FIELDS, L_GATE_UP = 2 * WEIGHT_FIELDS, L_DOWN = 3 * WEIGHT_FIELDS,
+       L_ATTN_NORM = 4 * WEIGHT_FIELDS, L_MLP_NORM, L_BIAS, LAYER_FIELDS };
+
+static int product(const int64_t *w, const float *x, int64_t tokens, float *y, int64_t threads) {
+    return quantized_product((const uint8_t *)w[W_CODES], (const float *)w[W_SCALES],
+                             (const float *)w[W_OFFSETS], w[W_BITS], w[W_ROWS], w[W_COLUMNS],
+                             w[W_GROUP], x, 0, tokens, y, 0, threads);
+}
+
+/* Every decoder layer of the decode step for the packed tokens (FWD-LAYER-1), on the
+ * float32 residual stream x [tokens, hidden]:
+ *
+ *     h = norm(x); a = attention(h W_qkvᵀ); x += a W_oᵀ;
+ *     h = norm(x); x += (silu(h W_gateᵀ) · h W_upᵀ) W_downᵀ
+ *
+ * layer l's weights in row l of `table` (LAYER_FIELDS int64 each), its KV caches at
+ * `caches[2 l]`, `caches[2 l + 1]`; `dims` = hidden, intermediate, heads, kv_heads,
+ * head_dim. The other arguments are `attention`'s. On return x holds the residual
+ * stream after the last layer (before the final norm). Returns 0, or -1 when out of
+ * memory (x is then partly updated: the caller fails the pass). */
+int decoder_layers(const int64_t *table, const int64_t *caches, int64_t layers,
+                   const int64_t *dims, float eps, float *x, int64_t tokens, const float *cos,
+                   const float *sin, int64_t block_size, const int64_t *slot_mapping,
+                   const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
+                   const int64_t *query_start, int64_t batch, int64_t threads) {
+    const int64_t hidden = dims[0], intermediate = dims[1], heads = dims[2],
+                  kv_heads = dims[3], head_dim = dims[4];
+    const int64_t width = (heads + 2 * kv_heads) * head_dim;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    const int64_t floats = tokens * (2 * hidden + width + heads * head_dim + 3 * intermediate) +
+                           tokens * width + head_dim + longest;
+    float *h = malloc(sizeof(float) * (size_t)floats);
+    if (!h) return -1;
+    float *qkv = h + tokens * hidden, *attended = qkv + tokens * width;
+    float *out = attended + tokens * heads * head_dim; /* o, then down: [tokens, hidden] */
+    float *gate_up = out + tokens * hidden, *mlp = gate_up + tokens * 2 * intermediate;
+    float *scratch = mlp + tokens * intermediate;
+    const float *residual = NULL; /* the previous layer's down projection */
+    int failed = 0;
+    for (int64_t l = 0; l < layers && !failed; l++) {
+        const int64_t *w = table + l * LAYER_FIELDS;
+        add_rms_norm(x, residual, hidden, (const float *)w[L_ATTN_NORM], eps, h, tokens, hidden);
+        failed |= product(w + L_QKV, h, tokens, qkv, threads);
+        attention(qkv, width, (const float *)w[L_BIAS], heads, kv_heads, head_dim, cos, sin,
+                  (float *)caches[2 * l], (float *)caches[2 * l + 1], block_size, slot_mapping,
+                  block_table, max_blocks, seq_lens, query_start, batch, scratch, attended);
+        failed |= product(w + L_O, attended, tokens, out, threads);
+        add_rms_norm(x, out, hidden, (const float *)w[L_MLP_NORM], eps, h, tokens, hidden);
+        failed |= product(w + L_GATE_UP, h, tokens, gate_up, threads);
+        silu_mul(gate_up, 2 * intermediate, intermediate, mlp, tokens);
+        failed |= product(w + L_DOWN, mlp, tokens, out, threads);
+        residual = out;
+    }
+    if (!failed) add_rms_norm(x, residual, hidden, NULL, eps, NULL, tokens, hidden);
+    free(h);
+    return failed ? -1 : 0;
 }

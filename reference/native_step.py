@@ -3,12 +3,13 @@
 A decode step of the spec's decoder (`spec/forward.py`) on a 2-core CPU is
 mostly dispatch: beside the projections, the ~75 tensor operations a layer
 (norms, RoPE, the KV append, attention, SiLU, residual adds, casts) took
-about 11 ms a token of SmolLM2-135M, each too small to be worth its call.
-`NativeStep` runs the same layer as eight calls: the four projections on
-QUANT-A8-1's C product (`cpu_linear.ActivationQuantizedLinear`, float32 in
-and out) and, between them, four calls of three loops in C (`native_step.c`)
-that compute what the spec computes there, in float32, on the float32
-residual stream and KV cache:
+about 11 ms a token of SmolLM2-135M, each too small to be worth its call, and
+even one Python call per projection and per loop cost about 4 ms a token.
+`NativeStep` runs every layer in one C call (`decoder_layers` in
+`native_step.c`): the four projections on QUANT-A8-1's C product (the
+function `cpu_linear.ActivationQuantizedLinear` calls, float32 in and out)
+and, between them, three loops that compute what the spec computes there, in
+float32, on the float32 residual stream and KV cache:
 
     h = norm(x)             add_rms_norm   FWD-NORM-1
     qkv = h W_qkvᵀ          product
@@ -18,6 +19,8 @@ residual stream and KV cache:
     gu = h W_guᵀ            product
     m = silu(g) · u         silu_mul       FWD-MLP-1
     x += m W_downᵀ          product, then add_rms_norm of the next layer
+
+The final norm is the spec's `rms_norm`; the runner projects the logits.
 
 It agrees with `spec.forward.cached_hidden_states` on the same packed
 weights to float32's rounding: the products are the same calls, only the
@@ -45,9 +48,6 @@ line on stderr and runs the PyTorch path;
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -86,19 +86,6 @@ def status(weights: ModelWeights | None = None) -> str:
         return f"off: {e}"
     reason = None if weights is None else unsupported(weights)
     return f"off: {reason}" if reason is not None else f"native step ({describe(lib)})"
-
-
-@dataclass
-class _Layer:
-    """One layer's products (bound) and the addresses of its float32 vectors."""
-
-    qkv: Callable[[Tensor], Tensor]
-    o: Callable[[Tensor], Tensor]
-    gate_up: Callable[[Tensor], Tensor]
-    down: Callable[[Tensor], Tensor]
-    attn_norm: int
-    mlp_norm: int
-    bias: int | None  # q, k and v biases side by side
 
 
 def _stacked(members: list[object], widths: list[int]) -> object | None:
@@ -146,27 +133,29 @@ class NativeStep:
         self.description = f"native step ({describe(self.lib)})"  # as `status` says
         self.weights = weights
         c = weights.config
-        self.layers = []
-        self.vectors: list[Tensor] = []  # what the layers' addresses point into
+        # decoder_layers' table (native_step.c): a row a layer, its four products'
+        # weights, then the addresses of its norms and biases; `vectors` holds what
+        # those addresses point into.
+        rows, self.vectors = [], []
         for layer in weights.layers:
             biases = (layer.q_bias, layer.k_bias, layer.v_bias)
             bias = None if biases[0] is None else torch.cat(biases).float().contiguous()
             norms = [n.float().contiguous() for n in (layer.attn_norm, layer.mlp_norm)]
             self.vectors += [*norms, *([] if bias is None else [bias])]
-            self.layers.append(
-                _Layer(
-                    layer.q_proj.shared.kernel.linear,
-                    layer.o_proj.linear,
-                    layer.gate_proj.shared.kernel.linear,
-                    layer.down_proj.linear,
-                    norms[0].data_ptr(),
-                    norms[1].data_ptr(),
-                    None if bias is None else bias.data_ptr(),
-                )
-            )
+            products = (layer.q_proj.shared.kernel, layer.o_proj,
+                        layer.gate_proj.shared.kernel, layer.down_proj)  # fmt: skip
+            rows.append([field for p in products for field in p.arguments]
+                        + [norms[0].data_ptr(), norms[1].data_ptr(),
+                           0 if bias is None else bias.data_ptr()])  # fmt: skip
+        self.table = torch.tensor(rows, dtype=torch.int64)
+        self.dims = torch.tensor([c.hidden_size, c.intermediate_size, c.num_heads,
+                                  c.num_kv_heads, c.head_dim], dtype=torch.int64)  # fmt: skip
         self.max_tokens = MAX_TOKENS
         self.inv_freq = rope_inverse_frequencies(c, torch.float32)
         self.eps = float(c.rms_norm_eps)
+        # The caches `_check` last passed, and their addresses for decoder_layers.
+        self._checked: list[tuple[Tensor, Tensor]] = []
+        self._addresses = torch.empty(0, 2, dtype=torch.int64)
 
     def __call__(
         self, token_ids: Tensor, batch: PagedBatch, kv_cache: list[tuple[Tensor, Tensor]]
@@ -177,69 +166,54 @@ class NativeStep:
         if len(kv_cache) != len(w.layers):
             raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {len(w.layers)}")
         check_tokens(c, token_ids, batch.positions)
-        tokens, d = token_ids.shape[0], c.head_dim
+        tokens = token_ids.shape[0]
         caches = self._check(tokens, batch, kv_cache)
         if tokens == 0:
             return torch.empty(0, c.hidden_size)
-        lens = batch.seq_lens.tolist()
-        index = [t.to(torch.int64).contiguous() for t in (
-            batch.slot_mapping, batch.block_table, batch.seq_lens, batch.query_start)]  # fmt: skip
-        cos, sin = (a.reshape(tokens, d // 2).contiguous() for a in
+        slots, table, seq_lens, starts = (t.to(torch.int64).contiguous() for t in (
+            batch.slot_mapping, batch.block_table, batch.seq_lens, batch.query_start))  # fmt: skip
+        cos, sin = (a.reshape(tokens, c.head_dim // 2).contiguous() for a in
                     rope_angles(batch.positions, self.inv_freq, torch.float32))  # fmt: skip
-        width = (c.num_heads + 2 * c.num_kv_heads) * d
-        scratch = torch.empty(tokens * width + d + max(lens, default=0))
         x = w.embedding[token_ids].float().contiguous()
-        h = torch.empty(tokens, c.hidden_size)
-        attended = torch.empty(tokens, c.num_heads * d)
-        mlp = torch.empty(tokens, c.intermediate_size)
-        slots, table, seq_lens, starts = index
-        # The arguments every layer's attention shares, after its qkv and bias and
-        # before its caches; then those after its caches.
-        shape = (c.num_heads, c.num_kv_heads, d, cos.data_ptr(), sin.data_ptr())
-        layout = (kv_cache[0][0].shape[1], slots.data_ptr(), table.data_ptr(), table.shape[1],
-                  seq_lens.data_ptr(), starts.data_ptr(), len(lens), scratch.data_ptr(),
-                  attended.data_ptr())  # fmt: skip
-        lib, eps, hidden, intermediate = self.lib, self.eps, c.hidden_size, c.intermediate_size
-        x_, h_, mlp_ = x.data_ptr(), h.data_ptr(), mlp.data_ptr()
-        residual, residual_stride = None, 0
-        for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
-            lib.add_rms_norm(
-                x_, residual, residual_stride, layer.attn_norm, eps, h_, tokens, hidden
-            )
-            qkv = layer.qkv(h)
-            lib.attention(qkv.data_ptr(), qkv.stride(0), layer.bias, *shape, k_cache, v_cache,
-                          *layout)  # fmt: skip
-            o = layer.o(attended)
-            lib.add_rms_norm(x_, o.data_ptr(), o.stride(0), layer.mlp_norm, eps, h_, tokens, hidden)
-            gate_up = layer.gate_up(h)
-            lib.silu_mul(gate_up.data_ptr(), gate_up.stride(0), intermediate, mlp_, tokens)
-            down = layer.down(mlp)
-            residual, residual_stride = down.data_ptr(), down.stride(0)
-        lib.add_rms_norm(x_, residual, residual_stride, None, eps, None, tokens, hidden)
+        failed = self.lib.decoder_layers(
+            self.table.data_ptr(), caches.data_ptr(), len(w.layers), self.dims.data_ptr(),
+            self.eps, x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(),
+            kv_cache[0][0].shape[1], slots.data_ptr(), table.data_ptr(), table.shape[1],
+            seq_lens.data_ptr(), starts.data_ptr(), len(seq_lens), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("no memory for the native step's activations")
         return rms_norm(x, w.final_norm, c.rms_norm_eps)
 
     def _check(
         self, tokens: int, batch: PagedBatch, kv_cache: list[tuple[Tensor, Tensor]]
-    ) -> list[tuple[int, int]]:
+    ) -> Tensor:
         """ATTN-VALID-1 and APPEND-VALID-1 for the pass (every layer shares the layout),
-        and the float32 contiguous caches the C loops address: their addresses."""
+        and the float32 contiguous caches the C loops address: their addresses,
+        `[layers, 2]` int64. The caches' own checks run once for the same tensors."""
         c = self.weights.config
         k_cache, v_cache = kv_cache[0]
-        addresses = []
-        for k, v in kv_cache:
-            for t in (k, v):
-                if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                    raise ValueError("the native step needs contiguous float32 KV caches")
-                if t.shape != k_cache.shape:
-                    raise ValueError("every layer's KV cache must have one shape")
-            addresses.append((k.data_ptr(), v.data_ptr()))
+        addresses = [[k.data_ptr(), v.data_ptr()] for k, v in kv_cache]
+        same = addresses == self._addresses.tolist() and all(
+            k is k0 and v is v0 for (k, v), (k0, v0) in zip(kv_cache, self._checked, strict=True)
+        )
+        if not same:
+            for k, v in kv_cache:
+                for t in (k, v):
+                    if (t.dtype != torch.float32 or not t.is_contiguous()
+                            or t.device.type != "cpu"):  # fmt: skip
+                        raise ValueError("the native step needs contiguous float32 KV caches")
+                    if t.shape != k_cache.shape:
+                        raise ValueError("every layer's KV cache must have one shape")
+            self._checked = list(kv_cache)  # held: an identity match is never a recycled id
+            self._addresses = torch.tensor(addresses, dtype=torch.int64)
         q = torch.empty(tokens, c.num_heads, c.head_dim)
         kv = torch.empty(tokens, c.num_kv_heads, c.head_dim)
         append.check_append_args(kv, kv, k_cache, v_cache, batch.slot_mapping)  # the spec's own
         check_attention_args(
             q, k_cache, v_cache, batch.block_table, batch.seq_lens, batch.query_start, None
         )
-        return addresses
+        return self._addresses
 
 
 def native_step(weights: ModelWeights) -> NativeStep | None:

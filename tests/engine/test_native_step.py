@@ -194,6 +194,7 @@ def test_bad_tokens_and_caches_are_refused():
     weights = packed_model("int4")
     step = NativeStep(weights)
     token_ids, paged, cache = decode_pass(weights)
+    step(token_ids, paged, cache)  # good caches first: their checks are remembered, not others'
     with pytest.raises(ValueError, match=r"token_ids must be in \[0, 260\)"):
         step(torch.tensor([260]), paged, cache)
     with pytest.raises(ValueError, match="kv_cache has 1 layers, the model 2"):
@@ -202,6 +203,8 @@ def test_bad_tokens_and_caches_are_refused():
         step(token_ids, paged, [(k.double(), v.double()) for k, v in cache])
     with pytest.raises(ValueError, match="contiguous float32 KV caches"):
         step(token_ids, paged, [(k.transpose(0, 1), v) for k, v in cache])
+    with pytest.raises(ValueError, match="every layer's KV cache must have one shape"):
+        step(token_ids, paged, [cache[0], (cache[1][0], cache[1][1][:-1])])
 
 
 def test_models_it_does_not_take_say_why():
