@@ -132,12 +132,13 @@ def paged_attention(
     table, lens_, starts = (_indices(t) for t in (block_table, seq_lens, query_start))
     out = torch.empty(num_tokens, num_q_heads, head_dim)
     lse = torch.empty(num_tokens, num_q_heads) if return_lse else None
-    scratch = torch.empty(head_dim + max(lens, default=0))  # the C loop's accumulator, scores
+    threads = torch.get_num_threads()  # (token, head) pairs split among them
+    scratch = torch.empty(threads * (head_dim + max(lens, default=0)))  # accumulators, scores
     library().paged_attention(
         q.data_ptr(), num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim, scale,
         k_cache.data_ptr(), v_cache.data_ptr(), block_size, table.data_ptr(), table.shape[1],
         lens_.data_ptr(), starts.data_ptr(), lens_.shape[0], scratch.data_ptr(),
-        out.data_ptr(), None if lse is None else lse.data_ptr(),
+        out.data_ptr(), None if lse is None else lse.data_ptr(), threads,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

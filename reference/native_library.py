@@ -33,14 +33,12 @@ _VOID_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "add_rms_norm": [_VOID_P, _VOID_P, _I64, _VOID_P, _F32, _VOID_P, _I64, _I64],
     "silu_mul": [_VOID_P, _I64, _I64, _VOID_P, _I64],
-    "attention": [_VOID_P, _I64, _VOID_P, _I64, _I64, _I64, _VOID_P, _VOID_P, _VOID_P, _VOID_P,
-                  _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P],
     "decoder_layers": [_VOID_P, _VOID_P, _I64, _VOID_P, _F32, _VOID_P, _I64, _VOID_P, _VOID_P,
                        _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _I64],
-    # The stage contract's operations, which `attention` calls (native_attention.py).
+    # The stage contract's operations, which `decoder_layers` calls (native_attention.py).
     "append_kv": [_VOID_P, _I64, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _I64],
     "paged_attention": [_VOID_P, _I64, _I64, _I64, _I64, _F32, _VOID_P, _VOID_P, _I64, _VOID_P,
-                        _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _VOID_P],
+                        _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _VOID_P, _I64],
     # native_quantized.c: the quantized projections (cpu_linear.py)
     "quantized_product": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P, _I64,
                           _I64, _VOID_P, _I64, _I64],

@@ -67,7 +67,8 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest, ties to eve
 
 /* ---------------------------------------------------------------- thread pool */
 
-typedef void (*task_fn)(const void *args, int64_t begin, int64_t end);
+/* A task computes units [begin, end) as part `part` of its call (scratch of its own). */
+typedef void (*task_fn)(const void *args, int64_t begin, int64_t end, int part);
 
 #define MAX_THREADS 64
 #define SPIN_SECONDS 2e-4 /* about the gap between two products of one forward pass */
@@ -127,7 +128,7 @@ static void *worker_main(void *index_arg) {
         if (index < pool.parts) {
             int64_t begin, end;
             part_range(index, pool.parts, pool.rows, pool.align, &begin, &end);
-            if (begin < end) pool.fn(pool.args, begin, end);
+            if (begin < end) pool.fn(pool.args, begin, end, index);
         }
         atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
     }
@@ -146,17 +147,17 @@ static void wait_for_workers(void) {
     }
 }
 
-/* Runs fn over rows [0, rows) in `threads` parts of multiples of `align` rows, the
- * calling thread taking the first part. The pool serves one caller at a time: a
- * second thread calling meanwhile (two engines in one process) computes all its rows
- * itself, and a row's result is the same either way. */
-static void parallel_rows(task_fn fn, const void *args, int64_t rows, int64_t align,
-                          int threads) {
+/* Runs fn over units [0, rows) in at most `threads` parts of multiples of `align`
+ * units, numbered from 0, the calling thread taking part 0. The pool serves one
+ * caller at a time: a second thread calling meanwhile (two engines in one process)
+ * computes all its units itself as part 0, and a unit's result is the same either
+ * way. native_step.c's attention runs on it too. */
+void parallel_parts(task_fn fn, const void *args, int64_t rows, int64_t align, int threads) {
     int64_t units = (rows + align - 1) / align;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > units) threads = (int)units;
     if (threads <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
-        fn(args, 0, rows);
+        fn(args, 0, rows, 0);
         return;
     }
     if (pool.pid != getpid()) { /* first use, or a fork's child: its parent's threads are gone */
@@ -181,7 +182,7 @@ static void parallel_rows(task_fn fn, const void *args, int64_t rows, int64_t al
     }
     if (threads > pool.workers + 1) threads = pool.workers + 1;
     if (threads <= 1) {
-        fn(args, 0, rows);
+        fn(args, 0, rows, 0);
     } else {
         pool.fn = fn, pool.args = args, pool.rows = rows, pool.align = align;
         pool.parts = threads;
@@ -192,7 +193,7 @@ static void parallel_rows(task_fn fn, const void *args, int64_t rows, int64_t al
         pthread_mutex_unlock(&pool.lock);
         int64_t begin, end;
         part_range(0, threads, rows, align, &begin, &end);
-        fn(args, begin, end);
+        fn(args, begin, end, 0);
         wait_for_workers();
     }
     pthread_mutex_unlock(&pool.busy);
@@ -323,8 +324,9 @@ AVX2 __attribute__((always_inline)) static inline void row_avx2(const product_ar
 }
 
 #define ROWS_AVX2(name, bits)                                                                   \
-    AVX2 static void name(const void *a, int64_t begin, int64_t end) {                          \
+    AVX2 static void name(const void *a, int64_t begin, int64_t end, int part) {                \
         const product_args *p = a;                                                              \
+        (void)part;                                                                             \
         for (int64_t n = begin; n < end; n++)                                                   \
             for (int64_t m = 0; m < p->m; m++) row_avx2(p, n, m, bits);                         \
     }
@@ -332,8 +334,9 @@ ROWS_AVX2(int4_rows_avx2, 4)
 ROWS_AVX2(int8_rows_avx2, 8)
 #endif
 
-static void product_rows(const void *a, int64_t begin, int64_t end) {
+static void product_rows(const void *a, int64_t begin, int64_t end, int part) {
     const product_args *p = a;
+    (void)part;
     for (int64_t n = begin; n < end; n++)
         for (int64_t m = 0; m < p->m; m++) store(p, m, n, p->n_rows, dot_scalar(p, n, m));
 }
@@ -358,7 +361,7 @@ int quantized_product(const uint8_t *codes, const float *scales, const float *of
 #if defined(__x86_64__)
     if (has_avx2()) rows = bits == 4 ? int4_rows_avx2 : int8_rows_avx2;
 #endif
-    parallel_rows(rows, &args, n, 16, (int)threads);
+    parallel_parts(rows, &args, n, 16, (int)threads);
     free(scratch);
     return 0;
 }

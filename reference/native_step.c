@@ -10,7 +10,7 @@
  *
  * Attention is three entry points: `append_kv` and `paged_attention`, the
  * stage contract's operations (native_attention.py wraps them for the
- * conformance suite), and `attention`, the decode step's fused call, which
+ * conformance suite), and `attention`, `decoder_layers'` fused step, which
  * computes the new rows and then calls those two, so the suite checks the
  * very code the engine runs.
  *
@@ -79,64 +79,101 @@ void append_kv(const char *key, int64_t key_stride, const char *value, int64_t v
     }
 }
 
+/* native_quantized.c's thread pool: fn over units [0, units) in parts numbered from 0. */
+typedef void (*task_fn)(const void *args, int64_t begin, int64_t end, int part);
+void parallel_parts(task_fn fn, const void *args, int64_t units, int64_t align, int threads);
+
+typedef struct {
+    const float *q;
+    int64_t q_stride, heads, kv_heads, head_dim;
+    float scale;
+    const float *k_cache, *v_cache;
+    int64_t block_size;
+    const int64_t *block_table;
+    int64_t max_blocks;
+    const int64_t *seq_lens, *query_start;
+    float *scratch; /* part p's: scratch + p · part_floats */
+    int64_t part_floats;
+    float *out, *lse;
+} attention_args;
+
+/* (token, head) units [begin, end): unit u is token u / heads, head u % heads. */
+__attribute__((target_clones("avx2", "default"))) static void attend(const void *a, int64_t begin,
+                                                                   int64_t end, int part) {
+    const attention_args *p = a;
+    const int64_t heads = p->heads, head_dim = p->head_dim, kv_heads = p->kv_heads;
+    const int64_t group = heads / p->kv_heads, block_size = p->block_size;
+    float *acc = p->scratch + part * p->part_floats, *scores = acc + head_dim;
+    int64_t b = 0;
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t t = u / heads, h = u % heads;
+        while (p->query_start[b + 1] <= t) b++; /* the sequence of token t */
+        const int64_t q_len = p->query_start[b + 1] - p->query_start[b];
+        const int64_t r = t - p->query_start[b];
+        const int64_t *blocks = p->block_table + b * p->max_blocks;
+        const int64_t context = p->seq_lens[b] - q_len + r + 1; /* ATTN-CAUSAL-1 */
+        const float *qh = p->q + t * p->q_stride + h * head_dim;
+        const int64_t g = h / group; /* ATTN-GQA-1 */
+        if (context <= 0) { /* ATTN-EMPTY-1: no keys (seq_lens[b] = 0) */
+            for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
+            if (p->lse) p->lse[t * heads + h] = -INFINITY;
+        } else {
+            /* Positions block by block (no division a position); row j of a block is
+             * `row` floats after row j - 1. */
+            const int64_t row = kv_heads * head_dim;
+            float max = -INFINITY;
+            for (int64_t start = 0, i_block = 0; start < context; start += block_size, i_block++) {
+                const float *k = p->k_cache + (blocks[i_block] * block_size * kv_heads + g) *
+                                                  head_dim;
+                const int64_t n = context - start < block_size ? context - start : block_size;
+                for (int64_t j = 0; j < n; j++, k += row) {
+                    float s = 0.0f;
+                    for (int64_t i = 0; i < head_dim; i++) s += qh[i] * k[i];
+                    s *= p->scale;
+                    scores[start + j] = s;
+                    if (s > max) max = s;
+                }
+            }
+            float total = 0.0f;
+            for (int64_t j = 0; j < context; j++) {
+                scores[j] = expf(scores[j] - max);
+                total += scores[j];
+            }
+            for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
+            for (int64_t start = 0, i_block = 0; start < context; start += block_size, i_block++) {
+                const float *v = p->v_cache + (blocks[i_block] * block_size * kv_heads + g) *
+                                                  head_dim;
+                const int64_t n = context - start < block_size ? context - start : block_size;
+                for (int64_t j = 0; j < n; j++, v += row) {
+                    const float weight = scores[start + j] / total;
+                    for (int64_t i = 0; i < head_dim; i++) acc[i] += weight * v[i];
+                }
+            }
+            if (p->lse) p->lse[t * heads + h] = max + logf(total);
+        }
+        memcpy(p->out + (t * heads + h) * head_dim, acc, sizeof(float) * head_dim);
+    }
+}
+
 /* ATTN-LAYOUT-1 ... ATTN-EMPTY-1 on float32: each query row of `q` (rows of
  * `heads · head_dim` floats, `q_stride` floats apart) attends causally over its
  * sequence's positions in the paged float32 caches (query_start, seq_lens,
  * block_table `[batch, max_blocks]`). Each (row, head) is computed alone, its sums
- * in one fixed order whatever the batch (ATTN-INVARIANT-1). `scratch` holds
- * `head_dim + max(seq_lens)` floats. out: `[tokens, heads · head_dim]` float32;
- * `lse` `[tokens, heads]` float32 (ATTN-LSE-1) unless NULL. */
+ * in one fixed order whatever the batch and however the (row, head) pairs are split
+ * among `threads` (ATTN-INVARIANT-1). `scratch` holds `threads · (head_dim +
+ * max(seq_lens))` floats. out: `[tokens, heads · head_dim]` float32; `lse`
+ * `[tokens, heads]` float32 (ATTN-LSE-1) unless NULL. */
 void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_heads,
                      int64_t head_dim, float scale, const float *k_cache, const float *v_cache,
                      int64_t block_size, const int64_t *block_table, int64_t max_blocks,
                      const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
-                     float *scratch, float *out, float *lse) {
-    const int64_t group = heads / kv_heads;
-    float *acc = scratch, *scores = scratch + head_dim;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t start = query_start[b], q_len = query_start[b + 1] - start;
-        const int64_t *blocks = block_table + b * max_blocks;
-        for (int64_t r = 0; r < q_len; r++) {
-            const int64_t t = start + r;
-            const int64_t context = seq_lens[b] - q_len + r + 1; /* ATTN-CAUSAL-1 */
-            for (int64_t h = 0; h < heads; h++) {
-                const float *qh = q + t * q_stride + h * head_dim;
-                const int64_t g = h / group; /* ATTN-GQA-1 */
-                const int64_t o = (t * heads + h) * head_dim;
-                if (context <= 0) { /* ATTN-EMPTY-1: no keys (seq_lens[b] = 0) */
-                    for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
-                    if (lse) lse[t * heads + h] = -INFINITY;
-                } else {
-                    float max = -INFINITY;
-                    for (int64_t j = 0; j < context; j++) {
-                        const float *k = k_cache +
-                            ((blocks[j / block_size] * block_size + j % block_size) * kv_heads +
-                             g) * head_dim;
-                        float s = 0.0f;
-                        for (int64_t i = 0; i < head_dim; i++) s += qh[i] * k[i];
-                        s *= scale;
-                        scores[j] = s;
-                        if (s > max) max = s;
-                    }
-                    float total = 0.0f;
-                    for (int64_t j = 0; j < context; j++) {
-                        scores[j] = expf(scores[j] - max);
-                        total += scores[j];
-                    }
-                    for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
-                    for (int64_t j = 0; j < context; j++) {
-                        const float *v = v_cache +
-                            ((blocks[j / block_size] * block_size + j % block_size) * kv_heads +
-                             g) * head_dim;
-                        const float p = scores[j] / total;
-                        for (int64_t i = 0; i < head_dim; i++) acc[i] += p * v[i];
-                    }
-                    if (lse) lse[t * heads + h] = max + logf(total);
-                }
-                memcpy(out + o, acc, sizeof(float) * head_dim);
-            }
-        }
-    }
+                     float *scratch, float *out, float *lse, int64_t threads) {
+    int64_t longest = 0;
+    for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    const attention_args args = {q, q_stride, heads, kv_heads, head_dim, scale, k_cache, v_cache,
+                                 block_size, block_table, max_blocks, seq_lens, query_start,
+                                 scratch, head_dim + longest, out, lse};
+    parallel_parts(attend, &args, query_start[batch] * heads, 1, (int)threads);
 }
 
 /* One layer's attention for the decode step's packed tokens (FWD-ATTN-1):
@@ -145,14 +182,15 @@ void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv
  * every token's k and v to the float32 paged cache at `slot_mapping` (rows
  * attend to later rows' keys of their own sequence only causally, but all are
  * written first), and `paged_attention` attends. `scratch` holds
- * `tokens · (heads + 2 kv_heads) · head_dim + head_dim + max(seq_lens)` floats.
+ * `tokens · (heads + 2 kv_heads) · head_dim + threads · (head_dim + max(seq_lens))`
+ * floats.
  * out: `[tokens, heads · head_dim]` float32. */
-void attention(const float *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
-               int64_t kv_heads, int64_t head_dim, const float *cos, const float *sin,
-               float *k_cache, float *v_cache, int64_t block_size,
-               const int64_t *slot_mapping, const int64_t *block_table, int64_t max_blocks,
-               const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
-               float *scratch, float *out) {
+static void attention(const float *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, const float *cos, const float *sin,
+                      float *k_cache, float *v_cache, int64_t block_size,
+                      const int64_t *slot_mapping, const int64_t *block_table,
+                      int64_t max_blocks, const int64_t *seq_lens, const int64_t *query_start,
+                      int64_t batch, float *scratch, float *out, int64_t threads) {
     const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
     const int64_t tokens = query_start[batch];
     float *rows = scratch; /* [tokens, width]: q, k, v of each token, side by side */
@@ -170,7 +208,7 @@ void attention(const float *qkv, int64_t qkv_stride, const float *bias, int64_t 
               slot_mapping, tokens);
     paged_attention(rows, width, heads, kv_heads, head_dim, 1.0f / sqrtf((float)head_dim),
                     k_cache, v_cache, block_size, block_table, max_blocks, seq_lens,
-                    query_start, batch, rows + tokens * width, out, NULL);
+                    query_start, batch, rows + tokens * width, out, NULL, threads);
 }
 
 /* native_quantized.c: QUANT-A8-1's product, y [m, n] = x [m, k] · W (float32 here). */
@@ -214,7 +252,7 @@ int decoder_layers(const int64_t *table, const int64_t *caches, int64_t layers,
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     const int64_t floats = tokens * (2 * hidden + width + heads * head_dim + 3 * intermediate) +
-                           tokens * width + head_dim + longest;
+                           tokens * width + (threads > 1 ? threads : 1) * (head_dim + longest);
     float *h = malloc(sizeof(float) * (size_t)floats);
     if (!h) return -1;
     float *qkv = h + tokens * hidden, *attended = qkv + tokens * width;
@@ -229,7 +267,8 @@ int decoder_layers(const int64_t *table, const int64_t *caches, int64_t layers,
         failed |= product(w + L_QKV, h, tokens, qkv, threads);
         attention(qkv, width, (const float *)w[L_BIAS], heads, kv_heads, head_dim, cos, sin,
                   (float *)caches[2 * l], (float *)caches[2 * l + 1], block_size, slot_mapping,
-                  block_table, max_blocks, seq_lens, query_start, batch, scratch, attended);
+                  block_table, max_blocks, seq_lens, query_start, batch, scratch, attended,
+                  threads);
         failed |= product(w + L_O, attended, tokens, out, threads);
         add_rms_norm(x, out, hidden, (const float *)w[L_MLP_NORM], eps, h, tokens, hidden);
         failed |= product(w + L_GATE_UP, h, tokens, gate_up, threads);

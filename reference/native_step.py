@@ -67,10 +67,10 @@ from . import native_library
 from .cpu_linear import ActivationQuantizedLinear, SharedInputMember
 from .native_library import NativeUnavailable, describe, library
 
-# Longer passes run the batched PyTorch path, faster for one prompt from about 56 tokens
-# (SmolLM2-135M int4 on PyTorch's kernels, 2 cores: 48 tokens 81 ms native, 84 ms batched;
-# 64 tokens 111 and 107; not remeasured with the C product).
-MAX_TOKENS = 48
+# Longer passes run the batched PyTorch path, which takes the float32 GEMM from 128 rows
+# (SmolLM2-135M int4, 2 cores, one sequence after 100 cached positions, best of 3:
+# 64 tokens 470 ms native, 551 batched; 96 tokens 702 and 762; 128 tokens 942 and 863).
+MAX_TOKENS = 96
 
 
 def status(weights: ModelWeights | None = None) -> str:
