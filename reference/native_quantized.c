@@ -323,11 +323,66 @@ AVX2 __attribute__((always_inline)) static inline void row_avx2(const product_ar
     store(p, m, n, p->n_rows, hsum256(_mm256_add_ps(even, odd)) + offset);
 }
 
+/* Weight rows n and n + 1 times activation row m, groups of one block: each row's sums
+ * exactly as row_avx2 makes them (the same bits), the two rows interleaved to share
+ * the activation's loads and to give the core two independent chains. From 4
+ * activation rows it is 3-10% faster (SmolLM2's gate/up and down at 4 and 16 rows);
+ * for one row, slower (down's 1,536-wide rows: 2.3 against 1.6 ms for 30 layers). */
+AVX2 __attribute__((always_inline)) static inline void two_rows_avx2(const product_args *p,
+                                                                     int64_t n, int64_t m,
+                                                                     const int bits) {
+    const int64_t blocks = p->k / BLOCK, row_bytes = bits == 4 ? p->k / 2 : p->k;
+    const uint8_t *row0 = p->codes + n * row_bytes, *row1 = row0 + row_bytes;
+    const float *s0 = p->scales + n * blocks, *s1 = s0 + blocks;
+    const float *o0 = p->offsets + n * blocks, *o1 = o0 + blocks;
+    const int8_t *c = p->x_codes + m * p->k;
+    const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+    __m256 even0 = _mm256_setzero_ps(), odd0 = _mm256_setzero_ps();
+    __m256 even1 = _mm256_setzero_ps(), odd1 = _mm256_setzero_ps();
+    float offset0 = 0.0f, offset1 = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK));
+        __m256i pairs0, pairs1;
+        if (bits == 4) {
+            const __m128i bytes0 = _mm_loadu_si128((const __m128i *)(row0 + b * (BLOCK / 2)));
+            const __m128i bytes1 = _mm_loadu_si128((const __m128i *)(row1 + b * (BLOCK / 2)));
+            pairs0 = _mm256_maddubs_epi16(
+                _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes0, 4), bytes0), nibble), x);
+            pairs1 = _mm256_maddubs_epi16(
+                _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes1, 4), bytes1), nibble), x);
+        } else {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row0 + b * BLOCK));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row1 + b * BLOCK));
+            pairs0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x, w0));
+            pairs1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x, w1));
+        }
+        const __m256 sums0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs0, ones));
+        const __m256 sums1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs1, ones));
+        const __m256 scale0 = _mm256_set1_ps(s0[b] * d[b]), scale1 = _mm256_set1_ps(s1[b] * d[b]);
+        if (b % 2) {
+            odd0 = _mm256_fmadd_ps(scale0, sums0, odd0);
+            odd1 = _mm256_fmadd_ps(scale1, sums1, odd1);
+        } else {
+            even0 = _mm256_fmadd_ps(scale0, sums0, even0);
+            even1 = _mm256_fmadd_ps(scale1, sums1, even1);
+        }
+        offset0 += o0[b] * d_sum[b];
+        offset1 += o1[b] * d_sum[b];
+    }
+    store(p, m, n, p->n_rows, hsum256(_mm256_add_ps(even0, odd0)) + offset0);
+    store(p, m, n + 1, p->n_rows, hsum256(_mm256_add_ps(even1, odd1)) + offset1);
+}
+
 #define ROWS_AVX2(name, bits)                                                                   \
     AVX2 static void name(const void *a, int64_t begin, int64_t end, int part) {                \
         const product_args *p = a;                                                              \
         (void)part;                                                                             \
-        for (int64_t n = begin; n < end; n++)                                                   \
+        int64_t n = begin;                                                                      \
+        if (p->group == BLOCK && p->m >= 4)                                                     \
+            for (; n + 1 < end; n += 2)                                                         \
+                for (int64_t m = 0; m < p->m; m++) two_rows_avx2(p, n, m, bits);                \
+        for (; n < end; n++)                                                                    \
             for (int64_t m = 0; m < p->m; m++) row_avx2(p, n, m, bits);                         \
     }
 ROWS_AVX2(int4_rows_avx2, 4)
