@@ -4,10 +4,10 @@
  * engines compute: each row of x quantized to int8 in blocks of 32 (absmax / 127,
  * round half to even), integer dot products with the weights' codes, then the
  * block's scales. A 4-bit weight row is read once per token at half a byte a
- * weight, and 32 products cost one multiply-add instruction pair (AVX2
- * `maddubs`/`madd`) instead of four conversions and four float FMAs: on a 2-core
- * AVX2 machine a decode step's projections take about half of PyTorch's kernels'
- * time (tests/benchmarks/quantized_product.py). Each (weight row, activation row)
+ * weight, and 64 products (two blocks) cost two `maddubs` and one `madd` (AVX2)
+ * instead of eight conversions and eight float FMAs: on a 2-core AVX2 machine a
+ * decode step's projections take well under half of PyTorch's kernels' time
+ * (tests/benchmarks/quantized_product.py). Each (weight row, activation row)
  * sum runs in one order, block after block, whatever the number of rows and
  * however the rows are split among threads: a row's result never depends on its
  * batch.
@@ -38,10 +38,16 @@
 
 #define BLOCK 32 /* QUANT-A8-1's activations per scale */
 
+/* Whether the AVX2 loops run: the CPU has AVX2 and FMA, and DECODESPEC_NATIVE_ISA is not
+ * "scalar" (which the tests set to run the scalar loops of CPUs without them). */
 static int has_avx2(void) {
 #if defined(__x86_64__)
     static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (known < 0) {
+        const char *isa = getenv("DECODESPEC_NATIVE_ISA");
+        known = !(isa && strcmp(isa, "scalar") == 0) && __builtin_cpu_supports("avx2") &&
+                __builtin_cpu_supports("fma");
+    }
     return known;
 #else
     return 0;
@@ -201,12 +207,17 @@ void parallel_parts(task_fn fn, const void *args, int64_t rows, int64_t align, i
 
 /* ---------------------------------------------------------------- QUANT-A8-1 */
 
-/* Row m of x (float32, or bfloat16 when x_bf16) quantized: codes [K] (for 4-bit
- * weights each block reordered even elements first, then odd, to meet a byte's low
- * nibbles and then its high ones), the block scales d [K/32] and d * sum(codes). */
-static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, int reorder,
+/* Row m of x (float32, or bfloat16 when x_bf16) quantized: codes [K], the block scales
+ * d [K/32] and d * sum(codes). The codes are in element order, or with `paired` in the
+ * order the AVX2 4-bit loop reads them: each pair of blocks (0 and 1, 2 and 3, ...) as
+ * its first block's even elements, its second's even elements, then the first's odd
+ * and the second's odd ones (so that a byte's low nibbles meet the even elements and
+ * its high nibbles the odd ones, two blocks at a time); an odd last block as its even
+ * elements, then its odd ones. */
+static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, int paired,
                          int8_t *codes, float *d, float *d_sum) {
-    for (int64_t b = 0; b < k / BLOCK; b++) {
+    const int64_t blocks = k / BLOCK, in_pairs = blocks - blocks % 2;
+    for (int64_t b = 0; b < blocks; b++) {
         float v[BLOCK], amax = 0.0f;
         for (int j = 0; j < BLOCK; j++) {
             int64_t e = m * k + b * BLOCK + j;
@@ -215,12 +226,17 @@ static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, in
             amax = a > amax ? a : amax;
         }
         const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        const int64_t second = b % 2, pair_start = (b - second) * BLOCK;
         int sum = 0;
         for (int j = 0; j < BLOCK; j++) {
             float r = nearbyintf(v[j] * inverse); /* the default mode: half to even */
             int c = r >= -127.0f && r <= 127.0f ? (int)r : 0; /* NaN: 0, not undefined */
-            int at = reorder ? (j % 2) * (BLOCK / 2) + j / 2 : j;
-            codes[b * BLOCK + at] = (int8_t)c;
+            int64_t at = b * BLOCK + j;
+            if (paired && b < in_pairs)
+                at = pair_start + (j % 2) * BLOCK + second * (BLOCK / 2) + j / 2;
+            else if (paired)
+                at = b * BLOCK + (j % 2) * (BLOCK / 2) + j / 2;
+            codes[at] = (int8_t)c;
             sum += c;
         }
         d[b] = scale;
@@ -245,7 +261,7 @@ static inline void store(const product_args *p, int64_t m, int64_t n, int64_t ro
         ((float *)p->y)[m * rows + n] = v;
 }
 
-/* The scalar form (x codes in quantize_row's order). */
+/* The scalar form (x codes in element order). */
 static float dot_scalar(const product_args *p, int64_t n, int64_t m) {
     const int64_t blocks = p->k / BLOCK, groups = p->k / p->group;
     const int8_t *c = p->x_codes + m * p->k;
@@ -253,14 +269,10 @@ static float dot_scalar(const product_args *p, int64_t n, int64_t m) {
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t g = b * BLOCK / p->group;
         int sum = 0;
-        for (int j = 0; j < BLOCK; j++) {
-            if (p->bits == 4) {
-                uint8_t byte = p->codes[n * (p->k / 2) + b * (BLOCK / 2) + j % (BLOCK / 2)];
-                int q = j < BLOCK / 2 ? byte & 15 : byte >> 4;
-                sum += q * c[b * BLOCK + j];
-            } else {
-                sum += ((const int8_t *)p->codes)[n * p->k + b * BLOCK + j] * c[b * BLOCK + j];
-            }
+        for (int64_t e = b * BLOCK; e < (b + 1) * BLOCK; e++) {
+            const int q = p->bits == 4 ? (p->codes[n * (p->k / 2) + e / 2] >> (4 * (e % 2))) & 15
+                                       : ((const int8_t *)p->codes)[n * p->k + e];
+            sum += q * c[e];
         }
         total += p->scales[n * groups + g] * p->d[m * blocks + b] * (float)sum;
         offset += p->offsets[n * groups + g] * p->d_sum[m * blocks + b];
@@ -276,114 +288,121 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* The AVX2 form: each block's 32 products summed exactly in integers (|sum| < 2^15
- * per pair of products), its float terms in 8 lanes. */
 #define AVX2 __attribute__((target("avx2,fma")))
-/* Weight row n times activation row m: blocks in order, even ones into one vector and
- * odd ones into another (two chains of FMAs, not one), added at the end. Groups of one
- * block (GGUF's) take a loop of their own, a third faster than the nested one. Each
- * pair of rows is computed alone: expanding a weight row's codes once for several
- * activation rows measured no faster (the products, not the codes, bound it). */
-#define ROW_BLOCK_STEP(b, g)                                                                      \
-    do {                                                                                          \
-        __m256i x = _mm256_loadu_si256((const __m256i *)(c + (b) * BLOCK)), pairs;                \
-        if (bits == 4) {                                                                          \
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + (b) * (BLOCK / 2)));    \
-            __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes),      \
-                                         nibble);                                                 \
-            pairs = _mm256_maddubs_epi16(w, x);                                                   \
-        } else {                                                                                  \
-            __m256i w = _mm256_loadu_si256((const __m256i *)(row + (b) * BLOCK));                 \
-            pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));         \
-        }                                                                                         \
-        __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));                         \
-        __m256 scale = _mm256_set1_ps(s[g] * d[b]);                                               \
-        if ((b) % 2)                                                                              \
-            odd = _mm256_fmadd_ps(scale, sums, odd);                                              \
-        else                                                                                      \
-            even = _mm256_fmadd_ps(scale, sums, even);                                            \
-        offset += o[g] * d_sum[b];                                                                \
-    } while (0)
 
+/* Blocks b and b + 1 of a 4-bit weight row against the activation codes in
+ * quantize_row's pair layout: their 32 bytes of codes, the low nibbles times the two
+ * blocks' even elements and the high nibbles times their odd ones (one `maddubs`
+ * each), added in int16 (|sum| <= 4 · 15 · 127 < 2^15) and widened by one `madd`:
+ * 8 int32, block b's sums in the low 4 lanes and b + 1's in the high 4. */
+AVX2 __attribute__((always_inline)) static inline __m256i int4_pair_sums(const uint8_t *row,
+                                                                          const int8_t *c,
+                                                                          int64_t b) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + b * (BLOCK / 2)));
+    const __m256i x_even = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK));
+    const __m256i x_odd = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK + BLOCK));
+    const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(bytes, nibble), x_even);
+    const __m256i odd =
+        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), x_odd);
+    return _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1));
+}
+
+/* Block b alone: 8 int32 lanes of its sums. A 4-bit block's activation codes are its
+ * even elements, then its odd ones (an odd last block); an 8-bit block is in element
+ * order. */
+AVX2 __attribute__((always_inline)) static inline __m256i block_sums(const uint8_t *row,
+                                                                      const int8_t *c, int64_t b,
+                                                                      const int bits) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK));
+    __m256i pairs;
+    if (bits == 4) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * (BLOCK / 2)));
+        pairs = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4),
+                                                                        bytes),
+                                                       _mm256_set1_epi8(15)),
+                                     x);
+    } else {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
+        pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    }
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* The AVX2 form of weight row n times activation row m: each block's 32 products
+ * summed exactly in integers, then scaled in float32 lanes by FMAs alternating
+ * between two accumulators (two chains, not one), added at the end. 4-bit rows go two
+ * blocks a step (`int4_pair_sums`: the multiplies, which bound this loop, on 32 bytes
+ * of codes at a time, and one conversion and one FMA for two blocks), 8-bit rows and
+ * an odd last block one block a step. Each pair of rows is computed alone, in one
+ * order whatever the batch and the thread: expanding a weight row's codes once for
+ * several activation rows measured no faster. */
 AVX2 __attribute__((always_inline)) static inline void row_avx2(const product_args *p, int64_t n,
-                                                                int64_t m, const int bits) {
-    const int64_t blocks = p->k / BLOCK, groups = p->k / p->group, per_group = p->group / BLOCK;
+                                                                int64_t m, const int bits,
+                                                                const int64_t per_group) {
+    const int64_t blocks = p->k / BLOCK, groups = p->k / p->group;
     const uint8_t *row = p->codes + n * (bits == 4 ? p->k / 2 : p->k);
     const float *s = p->scales + n * groups, *o = p->offsets + n * groups;
     const int8_t *c = p->x_codes + m * p->k;
     const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
-    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     float offset = 0.0f;
-    if (per_group == 1)
-        for (int64_t b = 0; b < blocks; b++) ROW_BLOCK_STEP(b, b);
-    else
-        for (int64_t g = 0, b = 0; g < groups; g++)
-            for (int64_t i = 0; i < per_group; i++, b++) ROW_BLOCK_STEP(b, g);
-    store(p, m, n, p->n_rows, hsum256(_mm256_add_ps(even, odd)) + offset);
-}
-
-/* Weight rows n and n + 1 times activation row m, groups of one block: each row's sums
- * exactly as row_avx2 makes them (the same bits), the two rows interleaved to share
- * the activation's loads and to give the core two independent chains. From 4
- * activation rows it is 3-10% faster (SmolLM2's gate/up and down at 4 and 16 rows);
- * for one row, slower (down's 1,536-wide rows: 2.3 against 1.6 ms for 30 layers). */
-AVX2 __attribute__((always_inline)) static inline void two_rows_avx2(const product_args *p,
-                                                                     int64_t n, int64_t m,
-                                                                     const int bits) {
-    const int64_t blocks = p->k / BLOCK, row_bytes = bits == 4 ? p->k / 2 : p->k;
-    const uint8_t *row0 = p->codes + n * row_bytes, *row1 = row0 + row_bytes;
-    const float *s0 = p->scales + n * blocks, *s1 = s0 + blocks;
-    const float *o0 = p->offsets + n * blocks, *o1 = o0 + blocks;
-    const int8_t *c = p->x_codes + m * p->k;
-    const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
-    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
-    __m256 even0 = _mm256_setzero_ps(), odd0 = _mm256_setzero_ps();
-    __m256 even1 = _mm256_setzero_ps(), odd1 = _mm256_setzero_ps();
-    float offset0 = 0.0f, offset1 = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK));
-        __m256i pairs0, pairs1;
-        if (bits == 4) {
-            const __m128i bytes0 = _mm_loadu_si128((const __m128i *)(row0 + b * (BLOCK / 2)));
-            const __m128i bytes1 = _mm_loadu_si128((const __m128i *)(row1 + b * (BLOCK / 2)));
-            pairs0 = _mm256_maddubs_epi16(
-                _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes0, 4), bytes0), nibble), x);
-            pairs1 = _mm256_maddubs_epi16(
-                _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes1, 4), bytes1), nibble), x);
-        } else {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(row0 + b * BLOCK));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row1 + b * BLOCK));
-            pairs0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x, w0));
-            pairs1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x, w1));
+    int64_t b = 0, g = 0, in_group = 0; /* block b is the in_group-th of group g */
+#define NEXT_BLOCK(scale)                                                                         \
+    do {                                                                                          \
+        if (per_group == 1) g = b; /* GGUF's groups, a constant in this loop's copy */          \
+        scale = s[g] * d[b];                                                                      \
+        offset += o[g] * d_sum[b];                                                                \
+        b++;                                                                                      \
+        if (per_group != 1 && ++in_group == per_group) in_group = 0, g++;                         \
+    } while (0)
+#define PAIR_STEP(acc)                                                                            \
+    do {                                                                                          \
+        float first, second;                                                                      \
+        NEXT_BLOCK(first);                                                                        \
+        NEXT_BLOCK(second);                                                                       \
+        const __m256 sums = _mm256_cvtepi32_ps(int4_pair_sums(row, c, b - 2));                    \
+        acc = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first)), sums,    \
+                              acc);                                                               \
+    } while (0)
+#define BLOCK_STEP(acc)                                                                           \
+    do {                                                                                          \
+        float scale;                                                                              \
+        NEXT_BLOCK(scale);                                                                        \
+        const __m256 sums = _mm256_cvtepi32_ps(block_sums(row, c, b - 1, bits));                  \
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), sums, acc);                                  \
+    } while (0)
+    if (bits == 4) {
+        for (; b + 4 <= blocks;) {
+            PAIR_STEP(even);
+            PAIR_STEP(odd);
         }
-        const __m256 sums0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs0, ones));
-        const __m256 sums1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs1, ones));
-        const __m256 scale0 = _mm256_set1_ps(s0[b] * d[b]), scale1 = _mm256_set1_ps(s1[b] * d[b]);
-        if (b % 2) {
-            odd0 = _mm256_fmadd_ps(scale0, sums0, odd0);
-            odd1 = _mm256_fmadd_ps(scale1, sums1, odd1);
-        } else {
-            even0 = _mm256_fmadd_ps(scale0, sums0, even0);
-            even1 = _mm256_fmadd_ps(scale1, sums1, even1);
+        if (b + 2 <= blocks) PAIR_STEP(even);
+        if (b < blocks) BLOCK_STEP(odd);
+    } else {
+        for (; b + 2 <= blocks;) {
+            BLOCK_STEP(even);
+            BLOCK_STEP(odd);
         }
-        offset0 += o0[b] * d_sum[b];
-        offset1 += o1[b] * d_sum[b];
+        if (b < blocks) BLOCK_STEP(even);
     }
-    store(p, m, n, p->n_rows, hsum256(_mm256_add_ps(even0, odd0)) + offset0);
-    store(p, m, n + 1, p->n_rows, hsum256(_mm256_add_ps(even1, odd1)) + offset1);
+#undef NEXT_BLOCK
+#undef PAIR_STEP
+#undef BLOCK_STEP
+    store(p, m, n, p->n_rows, hsum256(_mm256_add_ps(even, odd)) + offset);
 }
 
 #define ROWS_AVX2(name, bits)                                                                   \
     AVX2 static void name(const void *a, int64_t begin, int64_t end, int part) {                \
         const product_args *p = a;                                                              \
         (void)part;                                                                             \
-        int64_t n = begin;                                                                      \
-        if (p->group == BLOCK && p->m >= 4)                                                     \
-            for (; n + 1 < end; n += 2)                                                         \
-                for (int64_t m = 0; m < p->m; m++) two_rows_avx2(p, n, m, bits);                \
-        for (; n < end; n++)                                                                    \
-            for (int64_t m = 0; m < p->m; m++) row_avx2(p, n, m, bits);                         \
+        const int64_t per_group = p->group / BLOCK;                                             \
+        for (int64_t n = begin; n < end; n++)                                                   \
+            for (int64_t m = 0; m < p->m; m++)                                                  \
+                if (per_group == 1) /* a copy of the loop for GGUF's groups */                  \
+                    row_avx2(p, n, m, bits, 1);                                                 \
+                else                                                                            \
+                    row_avx2(p, n, m, bits, per_group);                                         \
     }
 ROWS_AVX2(int4_rows_avx2, 4)
 ROWS_AVX2(int8_rows_avx2, 8)
@@ -408,7 +427,7 @@ int quantized_product(const uint8_t *codes, const float *scales, const float *of
     float *d = (float *)scratch, *d_sum = d + m * blocks;
     int8_t *x_codes = (int8_t *)(d_sum + m * blocks);
     for (int64_t r = 0; r < m; r++)
-        quantize_row(x, x_bf16, r, k, bits == 4, x_codes + r * k, d + r * blocks,
+        quantize_row(x, x_bf16, r, k, bits == 4 && has_avx2(), x_codes + r * k, d + r * blocks,
                      d_sum + r * blocks);
     product_args args = {codes, scales, offsets, bits, k, group, m, x_codes, d, d_sum, y, y_bf16,
                          n};

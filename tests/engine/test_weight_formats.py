@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -282,6 +285,31 @@ def test_the_c_products_threads_serve_two_callers_and_a_forked_child():
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.clause("QUANT-A8-1")
+def test_the_scalar_loops_of_cpus_without_avx2_compute_it_too():
+    """`DECODESPEC_NATIVE_ISA=scalar` runs the product's scalar C loops (what a CPU
+    without AVX2 runs); the product's tests above, and the row-blocked bits, pass on them."""
+    env = {**os.environ, "DECODESPEC_NATIVE_ISA": "scalar", "HYPOTHESIS_PROFILE": "ci"}
+    code = (
+        "from decodespec.reference import native_library as n; print(n.library().quantized_isa())"
+    )
+    isa = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=600).stdout  # fmt: skip
+    assert isa.strip() == "b'scalar'"
+    here = "tests/engine/test_weight_formats.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{here}::test_the_c_product_computes_the_activation_quantized_linear",
+         f"{here}::test_the_c_products_threads_serve_two_callers_and_a_forked_child",
+         "tests/engine/test_batch_invariance.py::"
+         "test_a_row_blocked_quantized_projection_gives_each_row_the_same_bits"],
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "18 passed" in run.stdout, run.stdout[-1000:]
 
 
 @pytest.mark.clause("QUANT-GROUP-1", "QUANT-CODES-1")
