@@ -69,8 +69,8 @@ from .native_library import NativeUnavailable, describe, library
 
 # Longer passes run the batched PyTorch path, which takes the float32 GEMM from 128 rows
 # (SmolLM2-135M int4, 2 cores, one sequence after 100 cached positions, best of 3:
-# 64 tokens 470 ms native, 551 batched; 96 tokens 702 and 762; 128 tokens 942 and 863).
-MAX_TOKENS = 96
+# 96 tokens 615 ms native, 666 batched; 128 tokens 816 and 934; 160 tokens 1040 and 997).
+MAX_TOKENS = 128
 
 
 def status(weights: ModelWeights | None = None) -> str:
