@@ -335,9 +335,10 @@ AVX2 __attribute__((always_inline)) static inline __m256i block_sums(const uint8
  * blocks a step (`int4_pair_sums`: the multiplies, which bound this loop, on 32 bytes
  * of codes at a time, and one conversion and one FMA for two blocks), 8-bit rows and
  * an odd last block one block a step. The offsets' terms go to two float sums, even
- * blocks' and odd blocks', so that no one chain of additions paces the loop. Each pair of rows is computed alone, in one
- * order whatever the batch and the thread: expanding a weight row's codes once for
- * several activation rows measured no faster. */
+ * blocks' and odd blocks', so that no one chain of additions paces the loop. Each
+ * pair of rows is computed alone, in one order whatever the batch and the thread:
+ * sharing a weight row's codes among activation rows, or activation codes among
+ * weight rows, measured no faster. */
 AVX2 __attribute__((always_inline)) static inline void row_avx2(const product_args *p, int64_t n,
                                                                 int64_t m, const int bits,
                                                                 const int64_t per_group) {
