@@ -97,9 +97,16 @@ typedef struct {
     float *out, *lse;
 } attention_args;
 
+/* On x86-64 the loops below are compiled twice, for AVX2 and for any CPU, and the
+ * loader picks the one this CPU runs; elsewhere once. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define AVX2_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define AVX2_CLONES
+#endif
+
 /* (token, head) units [begin, end): unit u is token u / heads, head u % heads. */
-__attribute__((target_clones("avx2", "default"))) static void attend(const void *a, int64_t begin,
-                                                                   int64_t end, int part) {
+AVX2_CLONES static void attend(const void *a, int64_t begin, int64_t end, int part) {
     const attention_args *p = a;
     const int64_t heads = p->heads, head_dim = p->head_dim, kv_heads = p->kv_heads;
     const int64_t group = heads / p->kv_heads, block_size = p->block_size;

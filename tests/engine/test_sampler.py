@@ -63,26 +63,34 @@ def test_plain_greedy_passes_choose_the_specs_token_or_fail_as_it_does(rows):
             assert outcome.logprobs == [None] and outcome.candidates == [None]
 
 
+# Rows whose first argmax is not the spec's token once the request's processor applies:
+# token 1 leads and is the one penalised (then EOS wins); EOS leads and min_tokens bans
+# it (then token 1 wins); the bias lifts token 0.
+PENALISED = [0.0, 3.5, 1.0, 0.5, 0.0, 0.0, 3.0]
+EOS_LEADS = [0.0, 3.0, 1.0, 0.5, 0.0, 0.0, 3.5]
+
+
 @pytest.mark.parametrize(
-    "params, output",
+    "params, output, row",
     [
-        (SamplingParams(temperature=0.0, logit_bias={0: 100.0}), []),
-        (SamplingParams(temperature=0.0, min_tokens=2), [1]),
-        (SamplingParams(temperature=0.0, repetition_penalty=2.0), [1]),
-        (SamplingParams(temperature=0.0, presence_penalty=2.0), [1]),
-        (SamplingParams(temperature=0.0, frequency_penalty=2.0), [1]),
-        (SamplingParams(temperature=0.0, top_logprobs=1), []),
-        (SamplingParams(temperature=1.0, seed=3), []),
+        (SamplingParams(temperature=0.0, logit_bias={0: 100.0}), [], PENALISED),
+        (SamplingParams(temperature=0.0, min_tokens=2), [1], EOS_LEADS),
+        (SamplingParams(temperature=0.0, repetition_penalty=2.0), [1], PENALISED),
+        (SamplingParams(temperature=0.0, presence_penalty=2.0), [1], PENALISED),
+        (SamplingParams(temperature=0.0, frequency_penalty=2.0), [1], PENALISED),
+        (SamplingParams(temperature=0.0, top_logprobs=1), [], PENALISED),
+        (SamplingParams(temperature=1.0, seed=3), [], PENALISED),
     ],
     ids=["bias", "min_tokens", "repetition", "presence", "frequency", "logprobs", "sampled"],
 )
-def test_a_request_with_more_than_greedy_goes_the_whole_way(params, output):
+def test_a_request_with_more_than_greedy_goes_the_whole_way(params, output, row):
     state = LogitsState(params, [0])
     assert not plain_greedy(state, output, Draft([]))
-    # EOS (the stop token min_tokens bans) and token 1 (the one penalised) lead the row.
-    row = [0.0, 3.0, 1.0, 0.5, 0.0, 0.0, 3.0]
+    want = spec_token(row, params, output)
+    if params.temperature == 0 and not params.top_logprobs:  # the shortcut would differ
+        assert want != max(range(VOCAB), key=row.__getitem__)
     (outcome,) = choose([row], [params], [output])
-    assert outcome.tokens == [spec_token(row, params, output)]
+    assert outcome.tokens == [want]
     if params.top_logprobs:
         assert outcome.logprobs[0] is not None
 
