@@ -207,38 +207,104 @@ void parallel_parts(task_fn fn, const void *args, int64_t rows, int64_t align, i
 
 /* ---------------------------------------------------------------- QUANT-A8-1 */
 
+/* Blocks per float step of the AVX2 loops: the integer sums of eight blocks are gathered
+ * into one vector (`chunk_sums`), block by block in its lanes, so that eight blocks cost
+ * one conversion, one multiply and one FMA. The last K/32 % 8 blocks go one at a time. */
+#define CHUNK 8
+
+/* One block of 32 values quantized (QUANT-A8-1): codes in element order, returning
+ * the scale, absmax / 127; *sum is the codes' sum. NaN values are skipped by the
+ * absmax and get code 0. */
+static float quantize_block(const float *v, int8_t *codes, int *sum) {
+    float amax = 0.0f;
+    for (int j = 0; j < BLOCK; j++) {
+        const float a = fabsf(v[j]);
+        amax = a > amax ? a : amax;
+    }
+    const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    *sum = 0;
+    for (int j = 0; j < BLOCK; j++) {
+        const float r = nearbyintf(v[j] * inverse); /* the default mode: half to even */
+        codes[j] = (int8_t)(r >= -127.0f && r <= 127.0f ? (int)r : 0); /* NaN: 0 */
+        *sum += codes[j];
+    }
+    return scale;
+}
+
+#if defined(__x86_64__)
+/* quantize_block's AVX2 form, the same operations lane by lane: the same bits. */
+__attribute__((target("avx2,fma"))) static float quantize_block_avx2(const float *v,
+                                                                     int8_t *codes, int *sum) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 values[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        values[i] = _mm256_loadu_ps(v + 8 * i);
+        /* max(a, amax) is amax where a is NaN, as the scalar comparison */
+        amax = _mm256_max_ps(_mm256_and_ps(values[i], magnitude), amax);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float scale = _mm_cvtss_f32(m4) / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    __m256i c[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(values[i], _mm256_set1_ps(inverse)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 valid = _mm256_and_ps(_mm256_cmp_ps(r, _mm256_set1_ps(-127.0f), _CMP_GE_OQ),
+                                           _mm256_cmp_ps(r, _mm256_set1_ps(127.0f), _CMP_LE_OQ));
+        c[i] = _mm256_and_si256(_mm256_cvttps_epi32(r), _mm256_castps_si256(valid));
+        total = _mm256_add_epi32(total, c[i]);
+    }
+    /* int32 -> int8 in element order: packs interleave the 128-bit lanes, the permute
+     * puts them back */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                             _mm256_packs_epi32(c[2], c[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i *)codes, _mm256_permutevar8x32_epi32(bytes, order));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    *sum = _mm_cvtsi128_si32(s);
+    return scale;
+}
+#endif
+
 /* Row m of x (float32, or bfloat16 when x_bf16) quantized: codes [K], the block scales
  * d [K/32] and d * sum(codes). The codes are in element order, or with `paired` in the
- * order the AVX2 4-bit loop reads them: each pair of blocks (0 and 1, 2 and 3, ...) as
- * its first block's even elements, its second's even elements, then the first's odd
- * and the second's odd ones (so that a byte's low nibbles meet the even elements and
- * its high nibbles the odd ones, two blocks at a time); an odd last block as its even
- * elements, then its odd ones. */
+ * order the AVX2 4-bit loop reads them. There each chunk of eight blocks is four pairs,
+ * blocks (0, 4), (1, 5), (2, 6), (3, 7): a pair is its first block's even elements, its
+ * second's even elements, then the first's odd and the second's odd ones, so that a
+ * byte's low nibbles meet the even elements and its high nibbles the odd ones, two blocks
+ * at a time. A block past the last whole chunk is its even elements, then its odd ones. */
 static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, int paired,
                          int8_t *codes, float *d, float *d_sum) {
-    const int64_t blocks = k / BLOCK, in_pairs = blocks - blocks % 2;
+    const int64_t blocks = k / BLOCK, in_chunks = blocks - blocks % CHUNK;
     for (int64_t b = 0; b < blocks; b++) {
-        float v[BLOCK], amax = 0.0f;
-        for (int j = 0; j < BLOCK; j++) {
-            int64_t e = m * k + b * BLOCK + j;
-            v[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[e]) : ((const float *)x)[e];
-            float a = fabsf(v[j]);
-            amax = a > amax ? a : amax;
+        float widened[BLOCK];
+        const float *v = (const float *)x + m * k + b * BLOCK;
+        if (x_bf16) {
+            for (int j = 0; j < BLOCK; j++)
+                widened[j] = bf16_to_float(((const uint16_t *)x)[m * k + b * BLOCK + j]);
+            v = widened;
         }
-        const float scale = amax / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-        const int64_t second = b % 2, pair_start = (b - second) * BLOCK;
-        int sum = 0;
-        for (int j = 0; j < BLOCK; j++) {
-            float r = nearbyintf(v[j] * inverse); /* the default mode: half to even */
-            int c = r >= -127.0f && r <= 127.0f ? (int)r : 0; /* NaN: 0, not undefined */
-            int64_t at = b * BLOCK + j;
-            if (paired && b < in_pairs)
-                at = pair_start + (j % 2) * BLOCK + second * (BLOCK / 2) + j / 2;
-            else if (paired)
-                at = b * BLOCK + (j % 2) * (BLOCK / 2) + j / 2;
-            codes[at] = (int8_t)c;
-            sum += c;
-        }
+        int8_t block[BLOCK];
+        int sum;
+#if defined(__x86_64__)
+        const float scale = has_avx2() ? quantize_block_avx2(v, block, &sum)
+                                       : quantize_block(v, block, &sum);
+#else
+        const float scale = quantize_block(v, block, &sum);
+#endif
+        const int64_t chunk = b - b % CHUNK, slot = b % (CHUNK / 2), half = b % CHUNK / 4;
+        if (!paired)
+            memcpy(codes + b * BLOCK, block, BLOCK);
+        else if (b < in_chunks)
+            for (int j = 0; j < BLOCK; j++)
+                codes[(chunk + 2 * slot) * BLOCK + (j % 2) * BLOCK + half * (BLOCK / 2) + j / 2] =
+                    block[j];
+        else
+            for (int j = 0; j < BLOCK; j++)
+                codes[b * BLOCK + (j % 2) * (BLOCK / 2) + j / 2] = block[j];
         d[b] = scale;
         d_sum[b] = scale * (float)sum;
     }
@@ -290,27 +356,9 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
 
 #define AVX2 __attribute__((target("avx2,fma")))
 
-/* Blocks b and b + 1 of a 4-bit weight row against the activation codes in
- * quantize_row's pair layout: their 32 bytes of codes, the low nibbles times the two
- * blocks' even elements and the high nibbles times their odd ones (one `maddubs`
- * each), added in int16 (|sum| <= 4 · 15 · 127 < 2^15) and widened by one `madd`:
- * 8 int32, block b's sums in the low 4 lanes and b + 1's in the high 4. */
-AVX2 __attribute__((always_inline)) static inline __m256i int4_pair_sums(const uint8_t *row,
-                                                                          const int8_t *c,
-                                                                          int64_t b) {
-    const __m256i nibble = _mm256_set1_epi8(15);
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + b * (BLOCK / 2)));
-    const __m256i x_even = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK));
-    const __m256i x_odd = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK + BLOCK));
-    const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(bytes, nibble), x_even);
-    const __m256i odd =
-        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), x_odd);
-    return _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1));
-}
-
 /* Block b alone: 8 int32 lanes of its sums. A 4-bit block's activation codes are its
- * even elements, then its odd ones (an odd last block); an 8-bit block is in element
- * order. */
+ * even elements, then its odd ones (a block past the last whole chunk); an 8-bit block
+ * is in element order. */
 AVX2 __attribute__((always_inline)) static inline __m256i block_sums(const uint8_t *row,
                                                                       const int8_t *c, int64_t b,
                                                                       const int bits) {
@@ -329,82 +377,106 @@ AVX2 __attribute__((always_inline)) static inline __m256i block_sums(const uint8
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* The AVX2 form of weight row n times activation row m: each block's 32 products
- * summed exactly in integers, then scaled in float32 lanes by FMAs alternating
- * between two accumulators (two chains, not one), added at the end. 4-bit rows go two
- * blocks a step (`int4_pair_sums`: the multiplies, which bound this loop, on 32 bytes
- * of codes at a time, and one conversion and one FMA for two blocks), 8-bit rows and
- * an odd last block one block a step. The offsets' terms go to two float sums, even
- * blocks' and odd blocks', so that no one chain of additions paces the loop. Each
- * pair of rows is computed alone, in one order whatever the batch and the thread:
- * sharing a weight row's codes among activation rows, or activation codes among
- * weight rows, measured no faster. */
-AVX2 __attribute__((always_inline)) static inline void row_avx2(const product_args *p, int64_t n,
-                                                                int64_t m, const int bits,
-                                                                const int64_t per_group) {
-    const int64_t blocks = p->k / BLOCK, groups = p->k / p->group;
-    const uint8_t *row = p->codes + n * (bits == 4 ? p->k / 2 : p->k);
-    const float *s = p->scales + n * groups, *o = p->offsets + n * groups;
-    const int8_t *c = p->x_codes + m * p->k;
-    const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    float offsets[2] = {0.0f, 0.0f};
-    int64_t b = 0, g = 0, in_group = 0; /* block b is the in_group-th of group g */
-#define NEXT_BLOCK(scale)                                                                         \
-    do {                                                                                          \
-        if (per_group == 1) g = b; /* GGUF's groups, a constant in this loop's copy */          \
-        scale = s[g] * d[b];                                                                      \
-        offsets[b % 2] += o[g] * d_sum[b];                                                        \
-        b++;                                                                                      \
-        if (per_group != 1 && ++in_group == per_group) in_group = 0, g++;                         \
-    } while (0)
-#define PAIR_STEP(acc)                                                                            \
-    do {                                                                                          \
-        float first, second;                                                                      \
-        NEXT_BLOCK(first);                                                                        \
-        NEXT_BLOCK(second);                                                                       \
-        const __m256 sums = _mm256_cvtepi32_ps(int4_pair_sums(row, c, b - 2));                    \
-        acc = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first)), sums,    \
-                              acc);                                                               \
-    } while (0)
-#define BLOCK_STEP(acc)                                                                           \
-    do {                                                                                          \
-        float scale;                                                                              \
-        NEXT_BLOCK(scale);                                                                        \
-        const __m256 sums = _mm256_cvtepi32_ps(block_sums(row, c, b - 1, bits));                  \
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), sums, acc);                                  \
-    } while (0)
-    if (bits == 4) {
-        for (; b + 4 <= blocks;) {
-            PAIR_STEP(even);
-            PAIR_STEP(odd);
-        }
-        if (b + 2 <= blocks) PAIR_STEP(even);
-        if (b < blocks) BLOCK_STEP(odd);
-    } else {
-        for (; b + 2 <= blocks;) {
-            BLOCK_STEP(even);
-            BLOCK_STEP(odd);
-        }
-        if (b < blocks) BLOCK_STEP(even);
-    }
-#undef NEXT_BLOCK
-#undef PAIR_STEP
-#undef BLOCK_STEP
-    store(p, m, n, p->n_rows, hsum256(_mm256_add_ps(even, odd)) + (offsets[0] + offsets[1]));
+/* Pair `slot` of the chunk at block b, blocks b + slot and b + slot + 4 of a 4-bit row:
+ * their 32 bytes of codes against quantize_row's pair layout, the low nibbles times the
+ * two blocks' even elements and the high nibbles times their odd ones (one `maddubs`
+ * each), added in int16 (|sum| <= 4 · 15 · 127 < 2^15) and widened by one `madd`: 8
+ * int32, the first block's sums in the low 4 lanes and the second's in the high 4. */
+AVX2 __attribute__((always_inline)) static inline __m256i int4_pair_sums(const uint8_t *row,
+                                                                          const int8_t *c,
+                                                                          int64_t b, int slot) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i bytes = _mm256_loadu2_m128i((const __m128i *)(row + (b + slot + 4) * (BLOCK / 2)),
+                                              (const __m128i *)(row + (b + slot) * (BLOCK / 2)));
+    const int8_t *x = c + (b + 2 * slot) * BLOCK;
+    const __m256i x_even = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i x_odd = _mm256_loadu_si256((const __m256i *)(x + BLOCK));
+    const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(bytes, nibble), x_even);
+    const __m256i odd =
+        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), x_odd);
+    return _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1));
 }
 
+/* Four 8-bit blocks from b: 8 int32, lane j + 4h the sum of block b + j's half h. */
+AVX2 __attribute__((always_inline)) static inline __m256i int8_quad_sums(const uint8_t *row,
+                                                                          const int8_t *c,
+                                                                          int64_t b) {
+    return _mm256_hadd_epi32(
+        _mm256_hadd_epi32(block_sums(row, c, b, 8), block_sums(row, c, b + 1, 8)),
+        _mm256_hadd_epi32(block_sums(row, c, b + 2, 8), block_sums(row, c, b + 3, 8)));
+}
+
+AVX2 __attribute__((always_inline)) static inline __m128i fold(__m256i v) {
+    return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+
+/* Blocks b to b + 7: each block's whole sum in lane b + j, by integer additions (exact). */
+AVX2 __attribute__((always_inline)) static inline __m256i chunk_sums(const uint8_t *row,
+                                                                      const int8_t *c, int64_t b,
+                                                                      const int bits) {
+    if (bits == 8)
+        return _mm256_set_m128i(fold(int8_quad_sums(row, c, b + 4)),
+                                fold(int8_quad_sums(row, c, b)));
+    return _mm256_hadd_epi32(
+        _mm256_hadd_epi32(int4_pair_sums(row, c, b, 0), int4_pair_sums(row, c, b, 1)),
+        _mm256_hadd_epi32(int4_pair_sums(row, c, b, 2), int4_pair_sums(row, c, b, 3)));
+}
+
+/* The AVX2 form of weight row `row` (its block scales ws and offsets wo) times activation
+ * row m. Each block's 32 products are summed exactly in integers, eight blocks to a
+ * vector (`chunk_sums`); the vector is converted and scaled in float32 lanes by the
+ * weight's scales times the activations' (one FMA for eight blocks), and the offsets'
+ * terms, wo · d · sum(codes), go to a second vector of sums. The blocks past the last
+ * whole chunk go one at a time. Each pair of rows is computed alone, in one order
+ * whatever the batch and the thread. */
+AVX2 __attribute__((always_inline)) static inline float row_avx2(const product_args *p,
+                                                                 const uint8_t *row,
+                                                                 const float *ws,
+                                                                 const float *wo, int64_t m,
+                                                                 const int bits) {
+    const int64_t blocks = p->k / BLOCK;
+    const int8_t *c = p->x_codes + m * p->k;
+    const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
+    __m256 total = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + CHUNK <= blocks; b += CHUNK) {
+        const __m256 sums = _mm256_cvtepi32_ps(chunk_sums(row, c, b, bits));
+        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws + b), _mm256_loadu_ps(d + b));
+        total = _mm256_fmadd_ps(sums, scale, total);
+        offset = _mm256_fmadd_ps(_mm256_loadu_ps(wo + b), _mm256_loadu_ps(d_sum + b), offset);
+    }
+    float rest = 0.0f;
+    for (; b < blocks; b++) {
+        const __m256 sums = _mm256_cvtepi32_ps(block_sums(row, c, b, bits));
+        total = _mm256_fmadd_ps(sums, _mm256_set1_ps(ws[b] * d[b]), total);
+        rest += wo[b] * d_sum[b];
+    }
+    return hsum256(total) + (hsum256(offset) + rest);
+}
+
+/* Rows [begin, end) of the weight against every activation row. With groups of more
+ * than one block, a weight row's scales and offsets are first laid out per block, once
+ * for all activation rows. */
 #define ROWS_AVX2(name, bits)                                                                   \
     AVX2 static void name(const void *a, int64_t begin, int64_t end, int part) {                \
         const product_args *p = a;                                                              \
         (void)part;                                                                             \
+        const int64_t blocks = p->k / BLOCK, groups = p->k / p->group;                          \
         const int64_t per_group = p->group / BLOCK;                                             \
-        for (int64_t n = begin; n < end; n++)                                                   \
+        const int64_t laid_out = per_group == 1 ? 1 : blocks;                                   \
+        float block_scales[laid_out], block_offsets[laid_out];                                  \
+        for (int64_t n = begin; n < end; n++) {                                                 \
+            const float *ws = p->scales + n * groups, *wo = p->offsets + n * groups;            \
+            if (per_group != 1) {                                                               \
+                for (int64_t g = 0, b = 0; g < groups; g++)                                     \
+                    for (int64_t j = 0; j < per_group; j++, b++)                                \
+                        block_scales[b] = ws[g], block_offsets[b] = wo[g];                      \
+                ws = block_scales, wo = block_offsets;                                          \
+            }                                                                                   \
+            const uint8_t *row = p->codes + n * (bits == 4 ? p->k / 2 : p->k);                  \
             for (int64_t m = 0; m < p->m; m++)                                                  \
-                if (per_group == 1) /* a copy of the loop for GGUF's groups */                  \
-                    row_avx2(p, n, m, bits, 1);                                                 \
-                else                                                                            \
-                    row_avx2(p, n, m, bits, per_group);                                         \
+                store(p, m, n, p->n_rows, row_avx2(p, row, ws, wo, m, bits));                   \
+        }                                                                                       \
     }
 ROWS_AVX2(int4_rows_avx2, 4)
 ROWS_AVX2(int8_rows_avx2, 8)

@@ -40,6 +40,7 @@ from decodespec.spec.quant import (
     QuantizedWeight,
     activation_quantized_linear,
     pack_codes,
+    quantize_activations,
     quantize_weight,
     quantized_linear,
 )
@@ -251,6 +252,60 @@ def test_the_c_product_computes_the_activation_quantized_linear(
         assert torch.equal(kernel.linear(x[-1:]), out[-1:])
 
 
+CHUNK_CASES = [
+    (bits, per_group, blocks)
+    for bits, per_group in ((4, 1), (4, 2), (8, 1), (8, None))
+    for blocks in (1, 7, 8, 9, 16, 18, 23)
+    if per_group is None or blocks % per_group == 0
+]
+
+
+@pytest.mark.clause("QUANT-A8-1", "QUANT-TOL-1")
+@pytest.mark.parametrize(("bits", "blocks_per_group", "blocks"), CHUNK_CASES)
+def test_the_c_product_at_each_chunk_boundary(bits, blocks_per_group, blocks):
+    """The AVX2 loops sum eight blocks to a vector and take the blocks past the last
+    whole chunk one at a time: K of 1 to 23 blocks, groups of one block (GGUF's), two,
+    and whole rows (per-channel int8), against the definition at float32's tolerance."""
+    g = torch.Generator().manual_seed(blocks * 10 + bits)
+    columns = blocks * 32
+    group = columns if blocks_per_group is None else blocks_per_group * 32
+    weight = quantize_weight(torch.randn(37, columns, generator=g), bits=bits, group_size=group)
+    kernel = cpu_linear.pack(weight)
+    x = torch.randn(5, columns, generator=g) * 3
+    out = kernel.linear(x)
+    assert a8_error(out, x, weight) < F32_RTOL
+    assert torch.equal(kernel.linear(x[2:3]), out[2:3])
+
+
+@pytest.mark.clause("QUANT-A8-1")
+@settings(max_examples=30)
+@given(
+    tokens=st.integers(1, 9),
+    blocks=st.integers(1, 20),
+    scale=st.sampled_from((1e-30, 1e-3, 1.0, 3.0, 1e30)),
+    ties=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_c_activation_codes_are_the_specs_bit_for_bit(tokens, blocks, scale, ties, seed):
+    """`native_quantized.c`'s activation quantization (its AVX2 form, or its scalar one
+    under `DECODESPEC_NATIVE_ISA=scalar`) against `spec.quant.quantize_activations`: the
+    same codes and scales, bit for bit, with zero blocks and values that round half way."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, blocks * 32, generator=g) * scale
+    if ties:  # absmax 127 makes the scale 1: every x.5 is a tie, broken to even
+        x = torch.randint(-254, 255, x.shape, generator=g).float() / 2
+        x[:, ::32] = 127.0
+    x[:, 32:64] = 0.0  # a zero block: scale 0, codes 0
+    codes = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(tokens, blocks)
+    native_library.library().quantize_activations(
+        x.data_ptr(), tokens, x.shape[1], codes.data_ptr(), scales.data_ptr()
+    )
+    want_codes, want_scales = quantize_activations(x)
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(scales, want_scales)
+
+
 def test_the_c_products_threads_serve_two_callers_and_a_forked_child():
     """The product's row threads (`native_quantized.c`'s pool) with two Python threads
     calling at once (ctypes releases the GIL), and in a child forked after the pool
@@ -303,13 +358,15 @@ def test_the_scalar_loops_of_cpus_without_avx2_compute_it_too():
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          f"{here}::test_the_c_product_computes_the_activation_quantized_linear",
          f"{here}::test_the_c_products_threads_serve_two_callers_and_a_forked_child",
+         f"{here}::test_the_c_product_at_each_chunk_boundary",
+         f"{here}::test_the_c_activation_codes_are_the_specs_bit_for_bit",
          "tests/engine/test_batch_invariance.py::"
          "test_a_row_blocked_quantized_projection_gives_each_row_the_same_bits"],
         cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
-    assert "18 passed" in run.stdout, run.stdout[-1000:]
+    assert "43 passed" in run.stdout, run.stdout[-1000:]
 
 
 @pytest.mark.clause("QUANT-GROUP-1", "QUANT-CODES-1")
