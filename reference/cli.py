@@ -18,14 +18,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import cli_demo, cli_generate, cli_serve, perplexity
+from . import cli_check, cli_demo, cli_generate, cli_serve, perplexity
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `decodespec` parser: each command's module adds its own subcommand."""
     parser = argparse.ArgumentParser(prog="decodespec", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in (cli_generate, cli_serve, perplexity, cli_demo):
+    for command in (cli_generate, cli_serve, cli_check, perplexity, cli_demo):
         command.add_command(commands)
     return parser
 

@@ -1,0 +1,135 @@
+"""`decodespec check --base-url URL`: the spec's observable clauses through the
+OpenAI HTTP API of any server (`check_suite.py`, `check_sampling.py`, and with
+`--model-file` `check_weights.py`).
+
+Safe by construction: loopback only unless `--allow-remote`; a request budget
+(`--max-requests`) and a per-request timeout; the API key is read from
+`--api-key` or `OPENAI_API_KEY` and only ever sent in the Authorization header.
+Prints a table (a progress line on stderr while it runs), or with `--json` the
+report for CI; exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.parse
+
+from . import check_sampling, check_suite  # noqa: F401 (importing registers their checks)
+from .check_client import Client, is_loopback
+
+
+def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparsers type)
+    """The `check` subcommand of `decodespec`."""
+    run = commands.add_parser(
+        "check", help="check an OpenAI-compatible server against the spec's clauses"
+    )
+    run.add_argument(
+        "--base-url", required=True, help="the API's root, e.g. http://127.0.0.1:8000/v1"
+    )
+    run.add_argument("--model", help="the model to ask for (default: the first /models lists)")
+    run.add_argument(
+        "--model-file", help="the same model's GGUF file or directory: compare the server's "
+        "logprobs with the spec's forward pass, and tokenize for logit_bias"
+    )  # fmt: skip
+    run.add_argument("--api-key", help="sent as a bearer token (default: $OPENAI_API_KEY)")
+    run.add_argument("--allow-remote", action="store_true", help="allow a host other than loopback")
+    run.add_argument("--max-requests", type=int, default=2000, help="request budget (2000)")
+    run.add_argument("--timeout", type=float, default=120.0, help="seconds per request (120)")
+    run.add_argument(
+        "--only", action="append", default=[], metavar="TEXT",
+        help="run the checks whose name or clause contains TEXT (repeatable)",
+    )  # fmt: skip
+    run.add_argument("--json", action="store_true", help="print the report as JSON")
+    run.set_defaults(run=check_command)
+
+
+def root_url(base_url: str) -> str:
+    parts = urllib.parse.urlsplit(base_url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def server_tokenizer(base_url: str, api_key: str | None, model: str, timeout_s: float):  # noqa: ANN201
+    """A tokenize function over the server's own `/tokenize` (llama.cpp's and vLLM's
+    forms, at the URL's root), or None when it has none. Its requests are not the
+    checks' budget: a tokenize call is cheap."""
+    client = Client(root_url(base_url), api_key=api_key, max_requests=10_000, timeout_s=timeout_s)
+    forms = (
+        lambda text: {"content": text, "add_special": False},  # llama.cpp
+        lambda text: {"model": model, "prompt": text, "add_special_tokens": False},  # vLLM
+    )
+    for body_of in forms:
+        exchange = client.call("/tokenize", body_of("Paris"))
+        if exchange.ok and isinstance((exchange.body or {}).get("tokens"), list):
+
+            def tokenize(text: str, body_of=body_of) -> list[int] | None:  # noqa: ANN001
+                reply = client.call("/tokenize", body_of(text))
+                tokens = (reply.body or {}).get("tokens") if reply.ok else None
+                return [t if isinstance(t, int) else t.get("id") for t in tokens or []] or None
+
+            return tokenize
+    return None
+
+
+def check_command(args: argparse.Namespace) -> int:
+    if not args.allow_remote and not is_loopback(args.base_url):
+        raise ValueError(
+            f"{args.base_url} is not a loopback address: pass --allow-remote to check another host"
+        )
+    if args.max_requests < 1 or args.timeout <= 0:
+        raise ValueError("--max-requests must be >= 1 and --timeout > 0")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    client = Client(args.base_url, api_key=api_key, max_requests=args.max_requests,
+                    timeout_s=args.timeout)  # fmt: skip
+    models = client.get("/models")
+    names = [m.get("id") for m in (models.body or {}).get("data", [])] if models.ok else []
+    if not models.ok and args.model is None:
+        raise ValueError(f"GET {args.base_url}/models answered {models.status or models.error}")
+    model = args.model or names[0]
+    checks = list(check_suite.CHECKS)
+    tokenize = None
+    if args.model_file:
+        from .check_weights import ModelFile, same_weights_check
+
+        model_file = ModelFile(args.model_file)
+        checks.append(same_weights_check(model_file))
+        tokenize = model_file.tokenize
+    else:
+        tokenize = server_tokenizer(args.base_url, api_key, model, args.timeout)
+    context = check_suite.Context(client, model, tokenize)
+    context.probe_top_n()
+    if args.only:
+        checks = [c for c in checks if any(t in c[0] or t in c[1] for t in args.only)]
+    results = []
+    for index, (name, clause, function) in enumerate(checks):
+        if not args.json:
+            print(f"\r[{index + 1}/{len(checks)}] {name[:60]:<60}", end="", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        start = time.perf_counter()
+        outcome = check_suite.run_check(function, context)
+        results.append({"check": name, "clause": clause, "outcome": outcome.outcome,
+                        "detail": outcome.detail, "evidence": outcome.evidence,
+                        "seconds": round(time.perf_counter() - start, 2)})  # fmt: skip
+    if not args.json:
+        print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+    report = {"base_url": args.base_url, "model": model, "requests": client.requests,
+              "checks": results}  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_table(report)
+    return 1 if any(r["outcome"] == "fail" for r in results) else 0
+
+
+def print_table(report: dict) -> None:
+    print(f"{report['base_url']}  model {report['model']!r}  {report['requests']} requests")
+    for r in report["checks"]:
+        print(f"{r['outcome']:<14} {r['clause']:<17} {r['check']}")
+        print(f"{'':<32}{r['detail']}")
+    counts = {}
+    for r in report["checks"]:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    print(", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())))
