@@ -10,10 +10,11 @@ and the processed distributions are the same (LOGPROB-RAW-1):
   SAMPLE-MINP-1); each parameter is chosen halfway between two tokens'
   thresholds, so that rounding in the reported logprobs cannot move the
   boundary;
-- at temperatures 0.7, 1 and 1.5, the frequencies of the tokens of the top list
-  must fit `p_i^(1/T)` renormalised over that list (SAMPLE-CHOICE-1 with
-  SOFTMAX-TEMP-1): a chi-square test on the draws that land in the list, at a
-  false-alarm rate of 0.001 per temperature.
+- at temperature 1 the draws' frequencies must fit the reported probabilities
+  (the mass off the top list as one more bin), and at 0.7 and 1.5 the
+  frequencies of the list's tokens must fit `p_i^(1/T)` renormalised over the
+  list (SAMPLE-CHOICE-1 with SOFTMAX-TEMP-1): chi-square tests at a
+  false-alarm rate of 0.001 each.
 """
 
 from __future__ import annotations
@@ -146,25 +147,33 @@ def chi_square_limit(df: int, false_alarm: float) -> float:
 def frequency_test(
     probs: list[tuple[str, float]], got: list[str], temperature: float
 ) -> tuple[float, float, int, list[tuple[str, int, float]]]:
-    """(statistic, limit, draws in the list, bins as (token, observed, expected)):
-    the draws that land in the top list against p_i^(1/T) renormalised over it;
-    tokens expected fewer than 5 times share one bin."""
-    weights = {token: p ** (1 / temperature) for token, p in probs}
-    total = sum(weights.values())
-    inside = [token for token in got if token in weights]
-    n = len(inside)
+    """(statistic, limit, draws tested, bins as (token, observed, expected)).
+
+    At temperature 1 the reported probabilities are the law itself: every draw
+    counts, and those off the top list fill a bin of their own (expected: the mass
+    the list leaves). At another temperature only the list's tokens have a known
+    law, `p_i^(1/T)` renormalised over the list: the draws that land in it are
+    tested. Tokens expected fewer than 5 times share one bin."""
+    if temperature == 1.0:
+        weights, total, tested = dict(probs), 1.0, list(got)
+    else:
+        weights = {token: p ** (1 / temperature) for token, p in probs}
+        total, tested = sum(weights.values()), [token for token in got if token in weights]
+    n = len(tested)
     bins: list[tuple[str, int, float]] = []
     rest_observed, rest_expected = 0, 0.0
     for token, weight in weights.items():
-        expected = n * weight / total
-        observed = inside.count(token)
+        expected, observed = n * weight / total, tested.count(token)
         if expected >= 5:
             bins.append((token, observed, expected))
         else:
             rest_observed, rest_expected = rest_observed + observed, rest_expected + expected
-    if rest_expected >= 5 or (bins and rest_expected > 0):
-        bins.append(("(the rest of the list)", rest_observed, rest_expected))
-    statistic = sum((o - e) ** 2 / e for _, o, e in bins if e > 0)
+    off_list = sum(token not in weights for token in tested)
+    rest_observed += off_list
+    rest_expected += n * max(0.0, 1.0 - sum(weights.values()) / total)
+    if rest_expected > 0 or rest_observed:
+        bins.append(("(the rest)", rest_observed, rest_expected))
+    statistic = sum((o - e) ** 2 / e if e > 0 else math.inf for _, o, e in bins if o or e)
     limit = chi_square_limit(len(bins) - 1, FALSE_ALARM) if len(bins) > 1 else math.inf
     return statistic, limit, n, bins
 
@@ -180,10 +189,11 @@ def draw_frequencies(ctx: Context) -> Outcome:
         got = draws(ctx, prompt, FREQUENCY_DRAWS, 2000 + i * FREQUENCY_DRAWS,
                     temperature=temperature)  # fmt: skip
         statistic, limit, n, bins = frequency_test(probs, got, temperature)
+        evidence.append({"temperature": temperature, "bins": bins, "draws_tested": n})
+        if len(bins) < 2:  # too few draws in the list to test at this temperature
+            lines.append(f"T {temperature}: not tested ({n} draws in the top list)")
+            continue
         lines.append(f"T {temperature}: chi2 {statistic:.1f} (limit {limit:.1f}, {n} draws)")
-        evidence.append({"temperature": temperature, "bins": bins, "draws_in_list": n})
-        if len(bins) < 2:
-            return unsupported(f"too few draws in the top list at T {temperature} ({n})")
         if statistic > limit:
             bad.append(temperature)
     detail = f"{prompt!r}: " + "; ".join(lines)

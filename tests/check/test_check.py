@@ -1,0 +1,232 @@
+"""`decodespec check`: it passes `decodespec serve`, and each check fails a server
+that breaks its clause.
+
+A broken server is the real one behind an ASGI layer that rewrites each request
+before the engine sees it (drops `stop`, drops `seed`, ...), or answers it
+itself: every check must notice the clause it names going missing. Plus the
+parts that need no server: parsing both logprobs forms, the chi-square limit,
+the loopback guard, the request budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+
+import pytest
+from scipy import stats
+
+from decodespec.reference import check_sampling, check_suite, cli
+from decodespec.reference.check_client import BudgetExhaustedError, Client, Exchange
+from decodespec.reference.model_files import bundled_model_path
+from tests.serve import live
+
+
+def rewriting(app, state: dict):
+    """`app` behind a layer that hands each POST's JSON body to `state["mutate"]`
+    (which edits it, or returns a status to answer with instead) and records the
+    Authorization header it saw."""
+
+    async def layer(scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        state["authorization"] = dict(scope["headers"]).get(b"authorization")
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        data = json.loads(body)
+        status = state["mutate"](data)
+        if status is not None:
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b'{"error": "broken"}'})
+            return None
+        new = json.dumps(data).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+        headers.append((b"content-length", str(len(new)).encode()))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": new, "more_body": False}
+            return await receive()
+
+        return await app(dict(scope, headers=headers), replay, send)
+
+    return layer
+
+
+def keep(body: dict) -> None:
+    return None
+
+
+@pytest.fixture(scope="module")
+def server():
+    state = {"mutate": keep}
+    original = live.create_app
+    live.create_app = lambda engine, model: rewriting(original(engine, model), state)
+    try:
+        with live.LiveServer() as running:
+            running.state = state
+            yield running
+    finally:
+        live.create_app = original
+
+
+def run_check(server, capsys, *args: str) -> tuple[int, dict]:
+    capsys.readouterr()
+    code = cli.main(["check", "--base-url", server.base_url, "--json", *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_decodespec_serve_passes_every_check(server, capsys):
+    """Every check, the teacher-forced comparison with the spec included (the same
+    GGUF as `--model-file`), passes against the project's own server."""
+    server.state["mutate"] = keep
+    code, report = run_check(server, capsys, "--model-file", str(bundled_model_path()))
+    outcomes = {c["check"]: (c["outcome"], c["detail"]) for c in report["checks"]}
+    assert {outcome for outcome, _ in outcomes.values()} == {"pass"}, outcomes
+    assert len(outcomes) == len(check_suite.CHECKS) + 1
+    assert code == 0
+
+
+def drop(*keys: str) -> Callable[[dict], None]:
+    def mutate(body: dict) -> None:
+        for key in keys:
+            body.pop(key, None)
+
+    return mutate
+
+
+def hotter(body: dict) -> None:
+    """Sampling at twice the asked temperature; greedy requests sampled."""
+    body["temperature"] = 2 * body.get("temperature", 1.0) or 1.0
+
+
+def accept_anything(body: dict) -> None:
+    """Invalid values quietly replaced instead of refused."""
+    if body.get("temperature", 0) < 0:
+        body["temperature"] = 0
+    if body.get("top_p", 1) > 1:
+        body["top_p"] = 1
+    if body.get("max_tokens", 1) < 1:
+        body["max_tokens"] = 1
+    body.pop("logit_bias", None)
+
+
+def crash_structured(body: dict) -> int | None:
+    return 500 if "response_format" in body else None
+
+
+BROKEN = [
+    ("temperature 0 takes the most likely token", hotter),
+    ("temperature 0 repeats", hotter),
+    ("a stop string ends the text before it", drop("stop")),
+    ("a stop string is never streamed", drop("stop")),
+    ("a seed reproduces a sampled answer", drop("seed")),
+    ("invalid parameters are refused with a 4xx", accept_anything),
+    ("logit_bias bans and forces tokens", drop("logit_bias")),
+    ("a json_schema answer validates", drop("response_format")),
+    ("a json_schema answer validates", crash_structured),
+    ("a schema that is not valid JSON Schema is refused", drop("response_format")),
+    ("top_p draws stay in the nucleus", drop("top_p")),
+    ("top_k draws stay in the k most likely", drop("top_k")),
+    ("min_p draws stay above the threshold", drop("min_p")),
+    ("draw frequencies follow the reported probabilities at T 0.7, 1, 1.5", hotter),
+]
+
+
+@pytest.mark.parametrize(("name", "mutate"), BROKEN, ids=[f"{n}-{m.__name__}" for n, m in BROKEN])
+def test_each_check_fails_a_server_that_breaks_its_clause(server, capsys, name, mutate):
+    server.state["mutate"] = mutate
+    try:
+        extra = ["--model-file", str(bundled_model_path())] if "logit_bias" in name else []
+        code, report = run_check(server, capsys, "--only", name, *extra)
+    finally:
+        server.state["mutate"] = keep
+    (result,) = [c for c in report["checks"] if c["check"] == name]
+    assert result["outcome"] == "fail", result["detail"]
+    assert result["evidence"], "a fail carries its evidence"
+    assert code == 1
+
+
+def test_a_refused_parameter_is_not_supported_not_a_fail(server, capsys):
+    """A server that answers 400 to top_k does not support it: the check says so."""
+    server.state["mutate"] = lambda body: 400 if "top_k" in body else None
+    try:
+        code, report = run_check(server, capsys, "--only", "top_k")
+    finally:
+        server.state["mutate"] = keep
+    (result,) = report["checks"]
+    assert result["outcome"] == "not supported" and "HTTP 400" in result["detail"]
+    assert code == 0
+
+
+def test_the_api_key_is_sent_and_never_printed(server, capsys):
+    server.state["mutate"] = keep
+    capsys.readouterr()
+    code = cli.main(["check", "--base-url", server.base_url, "--api-key", "sk-secret-7",
+                     "--only", "temperature 0 repeats"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 0
+    assert server.state["authorization"] == b"Bearer sk-secret-7"
+    assert "sk-secret-7" not in out.out + out.err
+
+
+def test_another_host_needs_allow_remote(capsys):
+    code = cli.main(["check", "--base-url", "http://192.0.2.1:8000/v1"])
+    assert code == 2
+    assert "--allow-remote" in capsys.readouterr().err
+
+
+def test_the_request_budget_stops_a_run():
+    client = Client("http://127.0.0.1:9/v1", api_key=None, max_requests=1, timeout_s=1)
+    client.get("/models")  # refused: port 9 has no server, still one request spent
+    with pytest.raises(BudgetExhaustedError, match="--max-requests"):
+        client.get("/models")
+    context = check_suite.Context(client, "m")
+    outcome = check_suite.run_check(check_suite.greedy_repeats, context)
+    assert outcome.outcome == "not supported" and "budget" in outcome.detail
+
+
+def test_both_logprobs_forms_and_streamed_chunks_are_read():
+    legacy = {"choices": [{"text": " Paris", "finish_reason": "length", "logprobs": {
+        "tokens": [" Paris"], "token_logprobs": [-0.1],
+        "top_logprobs": [{" London": -3.0, " Paris": -0.1}]}}]}  # fmt: skip
+    chat = {"choices": [{"message": {"content": " Paris"}, "finish_reason": "stop",
+                         "logprobs": {"content": [{"token": " Paris", "logprob": -0.1,
+                         "top_logprobs": [{"token": " London", "logprob": -3.0},
+                                          {"token": " Paris", "logprob": -0.1}]}]}}]}  # fmt: skip
+    for body in (legacy, chat):
+        result = check_suite.answer(Exchange("/x", {}, 200, body=body))
+        assert result.text == " Paris"
+        assert result.positions[0].top == [(" Paris", -0.1), (" London", -3.0)]
+    streamed = Exchange("/x", {"stream": True}, 200, events=[
+        {"choices": [{"text": " Pa", "finish_reason": None}]},
+        {"choices": [{"delta": {"content": "ris"}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"completion_tokens": 2}}])  # fmt: skip
+    result = check_suite.answer(streamed)
+    assert (result.text, result.finish_reason, result.usage) == (
+        " Paris", "stop", {"completion_tokens": 2})  # fmt: skip
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 8, 13, 20])
+def test_the_chi_square_limit_is_the_quantile(df):
+    want = stats.chi2.ppf(1 - check_sampling.FALSE_ALARM, df)
+    assert math.isclose(check_sampling.chi_square_limit(df, check_sampling.FALSE_ALARM), want,
+                        rel_tol=0.03)  # fmt: skip
+
+
+def test_the_frequency_test_accepts_the_law_and_rejects_another_temperature():
+    probs = [("a", 0.4), ("b", 0.3), ("c", 0.2), ("d", 0.05)]  # 0.05 off the list
+    at_one = ["a"] * 40 + ["b"] * 30 + ["c"] * 20 + ["d"] * 5 + ["z"] * 5
+    statistic, limit, n, bins = check_sampling.frequency_test(probs, at_one, 1.0)
+    assert statistic < 1e-9 and (n, len(bins)) == (100, 5) and limit > 10  # z: the rest
+    statistic, limit, _, _ = check_sampling.frequency_test(probs, at_one, 0.5)
+    assert statistic > limit
+    statistic, limit, n, _ = check_sampling.frequency_test(probs, at_one[:95] + ["z"] * 30, 1.0)
+    assert statistic > limit, "too many draws off the list at temperature 1"
