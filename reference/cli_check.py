@@ -20,6 +20,7 @@ import urllib.parse
 
 from . import check_sampling, check_suite  # noqa: F401 (importing registers their checks)
 from .check_client import Client, is_loopback
+from .check_weights import ModelFile, same_weights_check
 
 
 def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparsers type)
@@ -86,23 +87,22 @@ def check_command(args: argparse.Namespace) -> int:
                     timeout_s=args.timeout)  # fmt: skip
     models = client.get("/models")
     names = [m.get("id") for m in (models.body or {}).get("data", [])] if models.ok else []
-    if not models.ok and args.model is None:
-        raise ValueError(f"GET {args.base_url}/models answered {models.status or models.error}")
+    if not names and args.model is None:
+        answer = models.status or models.error
+        raise ValueError(f"GET {args.base_url}/models named no model ({answer}): pass --model")
     model = args.model or names[0]
-    checks = list(check_suite.CHECKS)
-    tokenize = None
-    if args.model_file:
-        from .check_weights import ModelFile, same_weights_check
-
-        model_file = ModelFile(args.model_file)
-        checks.append(same_weights_check(model_file))
+    model_file = ModelFile(args.model_file) if args.model_file else None
+    checks = list(check_suite.CHECKS) + ([same_weights_check(model_file)] if model_file else [])
+    if args.only:
+        checks = [c for c in checks if any(t in c[0] or t in c[1] for t in args.only)]
+        if not checks:
+            raise ValueError(f"no check's name or clause contains {' or '.join(args.only)!r}")
+    if model_file is not None:
         tokenize = model_file.tokenize
     else:
         tokenize = server_tokenizer(args.base_url, api_key, model, args.timeout)
     context = check_suite.Context(client, model, tokenize)
     context.probe_top_n()
-    if args.only:
-        checks = [c for c in checks if any(t in c[0] or t in c[1] for t in args.only)]
     results = []
     for index, (name, clause, function) in enumerate(checks):
         if not args.json:

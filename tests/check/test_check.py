@@ -230,3 +230,10 @@ def test_the_frequency_test_accepts_the_law_and_rejects_another_temperature():
     assert statistic > limit
     statistic, limit, n, _ = check_sampling.frequency_test(probs, at_one[:95] + ["z"] * 30, 1.0)
     assert statistic > limit, "too many draws off the list at temperature 1"
+
+
+def test_an_only_that_matches_no_check_is_refused(capsys):
+    code = cli.main(["check", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
+                     "--only", "no such check"])  # fmt: skip
+    assert code == 2
+    assert "no check's name or clause contains 'no such check'" in capsys.readouterr().err
