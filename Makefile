@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-determinism bench-prefix bench-structured bench-quant bench-llama bench-chunked gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-determinism bench-prefix bench-structured bench-quant bench-llama check-servers bench-chunked gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 $(STAMP): pyproject.toml Makefile
 	@python3 -m venv $(VENV) || { \
@@ -150,6 +150,14 @@ bench-quant: $(STAMP)
 # results/versus-llama-cpu.json
 bench-llama: $(STAMP)
 	$(PY) -m tests.benchmarks.versus_llama
+
+# `decodespec check` against three servers on the bundled GGUF, 2 threads each:
+# `decodespec serve` (its defaults), llama-cpp-python's server (its `server` extra
+# installed once under ~/.cache/decodespec) and llama-server (built as for bench-llama);
+# about 2 minutes on 2 quiet cores (7 on a busy machine): results/check-<server>.json,
+# the Peers page's table
+check-servers: $(STAMP)
+	$(PY) -m tests.benchmarks.check_servers
 
 # GPU benchmark of the paged attention kernel against its peers: results/attention-gpu.json
 bench-attention: $(STAMP)

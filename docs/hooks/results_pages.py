@@ -11,7 +11,9 @@ show the data files they were built with. It fills `peers.md` from
 `results/structured-cpu.json` (`make bench-structured`), and the
 `<!-- quant-results -->` marker of `quantization.md` from
 `results/quant-cpu.json` (`make bench-quant`) with `docs.tools.quant`, and the
-Determinism page's tables from `results/determinism*.json` with `docs.tools.determinism`.
+Determinism page's tables from `results/determinism*.json` with `docs.tools.determinism`,
+and the `<!-- checks-table -->` marker of `peers.md` from `results/check-*.json`
+(`make check-servers`) with `docs.tools.checks`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from docs.tools import determinism, peers  # noqa: E402
+from docs.tools import checks, determinism, peers  # noqa: E402
 from docs.tools.figures import RESULTS_DIR, all_figures, fill_captions, read_json  # noqa: E402
 from docs.tools.performance import (  # noqa: E402
     STRUCTURED_FILE,
@@ -65,7 +67,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 def peers_page(markdown: str) -> str:
     """peers.md: the matrix of `results/peers.json`, the peers' versions, the loop and
-    mask-order comparisons."""
+    mask-order comparisons, and `decodespec check`'s table of `results/check-*.json`."""
     matrix = peers.load()
     machine = matrix["machine"]
     measured = (
@@ -79,6 +81,7 @@ def peers_page(markdown: str) -> str:
         ("<!-- peers-matrix -->", peers.matrix_markdown(matrix)),
         ("<!-- peers-loop -->", peers.loop_markdown(matrix)),
         ("<!-- peers-mask-order -->", peers.mask_order_markdown(matrix)),
+        (checks.MARKER, checks.section()),
     ):
         markdown = markdown.replace(marker, text)
     return markdown
