@@ -10,6 +10,7 @@ status is an observation the checks report, not a crash.
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import json
 import socket
@@ -121,7 +122,8 @@ class Client:
                 exchange.body = json.loads(text)
             except ValueError:
                 exchange.error = text[:EXCERPT_CHARS] or error.reason
-        except (OSError, ValueError) as error:  # refused, timed out, not JSON
+        except (OSError, ValueError, http.client.HTTPException) as error:
+            # refused, timed out, cut off mid-body, not JSON
             exchange.error = f"{type(error).__name__}: {error}"
         exchange.seconds = time.perf_counter() - start
         return exchange

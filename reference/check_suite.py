@@ -56,6 +56,10 @@ def unsupported(detail: str, *exchanges: Exchange) -> Outcome:
     return Outcome("not supported", detail, [e.evidence() for e in exchanges])
 
 
+# what reading an answer that is not the API's shape raises
+MALFORMED = (AttributeError, KeyError, IndexError, TypeError, ValueError)
+
+
 class RefusedError(Exception):
     """A request the server did not answer with 200: the check ends with this
     exchange as its evidence (4xx: not supported; 5xx or no answer: fail)."""
@@ -133,6 +137,8 @@ def answer(exchange: Exchange) -> Answer:
     choice = exchange.body["choices"][0]
     message = choice.get("message")
     text = message.get("content") or "" if message is not None else choice.get("text") or ""
+    if not isinstance(text, str):
+        raise TypeError(f"the choice's text is {type(text).__name__}, not a string")
     positions = _positions(choice.get("logprobs"))
     return Answer(text, choice.get("finish_reason"), exchange.body.get("usage"), positions)
 
@@ -170,11 +176,13 @@ class Context:
         """The largest `logprobs` (top alternatives) the server takes: 20, or 5."""
         for n in (20, 5):
             exchange = self.complete(max_tokens=1, temperature=0, logprobs=n)
-            if exchange.ok:
-                positions = answer(exchange).positions
-                if positions and len(positions[0].top) >= min(n, 5):
-                    self.top_n = min(n, len(positions[0].top))
-                    return
+            try:
+                positions = answer(exchange).positions if exchange.ok else None
+            except MALFORMED:  # the checks that read such answers report them
+                return
+            if positions and len(positions[0].top) >= min(n, 5):
+                self.top_n = min(n, len(positions[0].top))
+                return
 
 
 CHECKS: list[tuple[str, str, Callable[[Context], Outcome]]] = []
@@ -197,7 +205,7 @@ def run_check(function: Callable[[Context], Outcome], context: Context) -> Outco
         return refused.outcome("a request of this check")
     except BudgetExhaustedError as error:
         return Outcome("not supported", f"not run: {error}")
-    except (KeyError, IndexError, TypeError, ValueError) as error:  # a malformed answer
+    except MALFORMED as error:
         return Outcome("fail", f"the answer is not the OpenAI API's shape: {error!r}")
 
 

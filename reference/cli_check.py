@@ -64,11 +64,17 @@ def server_tokenizer(base_url: str, api_key: str | None, model: str, timeout_s: 
     )
     for body_of in forms:
         exchange = client.call("/tokenize", body_of("Paris"))
-        if exchange.ok and isinstance((exchange.body or {}).get("tokens"), list):
+        if (
+            exchange.ok
+            and isinstance(exchange.body, dict)
+            and isinstance(exchange.body.get("tokens"), list)
+        ):
 
             def tokenize(text: str, body_of=body_of) -> list[int] | None:  # noqa: ANN001
                 reply = client.call("/tokenize", body_of(text))
-                tokens = (reply.body or {}).get("tokens") if reply.ok else None
+                tokens = (
+                    reply.body.get("tokens") if reply.ok and isinstance(reply.body, dict) else None
+                )
                 return [t if isinstance(t, int) else t.get("id") for t in tokens or []] or None
 
             return tokenize
@@ -86,7 +92,8 @@ def check_command(args: argparse.Namespace) -> int:
     client = Client(args.base_url, api_key=api_key, max_requests=args.max_requests,
                     timeout_s=args.timeout)  # fmt: skip
     models = client.get("/models")
-    names = [m.get("id") for m in (models.body or {}).get("data", [])] if models.ok else []
+    listed = models.body.get("data") if models.ok and isinstance(models.body, dict) else None
+    names = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
     if not names and args.model is None:
         answer = models.status or models.error
         raise ValueError(f"GET {args.base_url}/models named no model ({answer}): pass --model")

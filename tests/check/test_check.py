@@ -37,11 +37,12 @@ def rewriting(app, state: dict):
             message = await receive()
             body, more = body + message.get("body", b""), message.get("more_body", False)
         data = json.loads(body)
-        status = state["mutate"](data)
-        if status is not None:
+        answer = state["mutate"](data)
+        if answer is not None:  # a status, or (status, body): sent instead of the engine's
+            status, content = answer if isinstance(answer, tuple) else (answer, b'{"error": "x"}')
             await send({"type": "http.response.start", "status": status,
                         "headers": [(b"content-type", b"application/json")]})  # fmt: skip
-            await send({"type": "http.response.body", "body": b'{"error": "broken"}'})
+            await send({"type": "http.response.body", "body": content})
             return None
         new = json.dumps(data).encode()
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
@@ -164,6 +165,19 @@ def test_a_refused_parameter_is_not_supported_not_a_fail(server, capsys):
     (result,) = report["checks"]
     assert result["outcome"] == "not supported" and "HTTP 400" in result["detail"]
     assert code == 0
+
+
+@pytest.mark.parametrize("content", [b"[1, 2]", b'{"choices": [{"text": 7}]}', b"not json"])
+def test_a_malformed_answer_is_a_fail_not_a_crash(server, capsys, content):
+    """A 200 whose body is not the API's shape fails the check that read it."""
+    server.state["mutate"] = lambda body: (200, content)
+    try:
+        code, report = run_check(server, capsys, "--model", "smollm2", "--only",
+                                 "temperature 0 repeats")  # fmt: skip
+    finally:
+        server.state["mutate"] = keep
+    (result,) = report["checks"]
+    assert result["outcome"] == "fail" and code == 1, result
 
 
 def test_the_api_key_is_sent_and_never_printed(server, capsys):
