@@ -58,12 +58,21 @@ def distribution(ctx: Context, prompt: str) -> list[tuple[str, float]]:
     return [(token, math.exp(lp)) for token, lp in result.positions[0].top]
 
 
+def _distributions(ctx: Context, prompts: tuple[str, ...]) -> list:
+    """(prompt, distribution) of each of `prompts` with a top list, asked once per run
+    (the support-set checks share theirs)."""
+    key = ("distributions", prompts)
+    if key not in ctx.memo:
+        ctx.memo[key] = [(p, probs) for p in prompts if (probs := distribution(ctx, p))]
+    if not ctx.memo[key]:
+        raise LookupError("no top logprobs came back")
+    return ctx.memo[key]
+
+
 def spread_prompt(ctx: Context) -> tuple[str, list[tuple[str, float]]]:
     """Of `SPREAD_PROMPTS`, the one whose two most likely first tokens hold the least
     mass (so that a filter the server ignores shows within a few draws)."""
-    found = [(prompt, probs) for prompt in SPREAD_PROMPTS if (probs := distribution(ctx, prompt))]
-    if not found:
-        raise LookupError("no top logprobs came back")
+    found = _distributions(ctx, SPREAD_PROMPTS)
     return min(found, key=lambda item: item[1][0][1] + item[1][1][1])
 
 
@@ -71,9 +80,7 @@ def covered_prompt(ctx: Context) -> tuple[str, list[tuple[str, float]]]:
     """Of `COVERED_PROMPTS`, the one with the least likely first token among those
     whose top list holds `MIN_COVERAGE` of the mass (most draws land in the list);
     else the best covered."""
-    found = [(prompt, probs) for prompt in COVERED_PROMPTS if (probs := distribution(ctx, prompt))]
-    if not found:
-        raise LookupError("no top logprobs came back")
+    found = _distributions(ctx, COVERED_PROMPTS)
     covered = [item for item in found if sum(p for _, p in item[1]) >= MIN_COVERAGE]
     if covered:
         return min(covered, key=lambda item: item[1][0][1])

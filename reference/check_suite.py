@@ -152,6 +152,7 @@ class Context:
         self.model = model
         self.tokenize = tokenize  # str -> list[int] | None
         self.top_n = 5  # the largest top_logprobs the server takes (probed up to 20)
+        self.memo: dict[object, object] = {}  # answers that several checks share
 
     def complete(self, prompt: str | list[int] = PROMPT, **params: object) -> Exchange:
         return self.client.call("/completions", {"model": self.model, "prompt": prompt, **params})
@@ -175,10 +176,10 @@ class Context:
     def probe_top_n(self) -> None:
         """The largest `logprobs` (top alternatives) the server takes: 20, or 5."""
         for n in (20, 5):
-            exchange = self.complete(max_tokens=1, temperature=0, logprobs=n)
             try:
+                exchange = self.complete(max_tokens=1, temperature=0, logprobs=n)
                 positions = answer(exchange).positions if exchange.ok else None
-            except MALFORMED:  # the checks that read such answers report them
+            except (BudgetExhaustedError, *MALFORMED):  # the checks report either
                 return
             if positions and len(positions[0].top) >= min(n, 5):
                 self.top_n = min(n, len(positions[0].top))

@@ -279,6 +279,7 @@ __attribute__((target("avx2,fma"))) static float quantize_block_avx2(const float
 static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, int paired,
                          int8_t *codes, float *d, float *d_sum) {
     const int64_t blocks = k / BLOCK, in_chunks = blocks - blocks % CHUNK;
+    const int avx2 = has_avx2();
     for (int64_t b = 0; b < blocks; b++) {
         float widened[BLOCK];
         const float *v = (const float *)x + m * k + b * BLOCK;
@@ -290,10 +291,11 @@ static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, in
         int8_t block[BLOCK];
         int sum;
 #if defined(__x86_64__)
-        const float scale = has_avx2() ? quantize_block_avx2(v, block, &sum)
-                                       : quantize_block(v, block, &sum);
+        const float scale = avx2 ? quantize_block_avx2(v, block, &sum)
+                                 : quantize_block(v, block, &sum);
 #else
         const float scale = quantize_block(v, block, &sum);
+        (void)avx2;
 #endif
         const int64_t chunk = b - b % CHUNK, slot = b % (CHUNK / 2), half = b % CHUNK / 4;
         if (!paired)
