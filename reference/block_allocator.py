@@ -18,7 +18,14 @@ comparison, never a wrong block (tested with a hash that always collides).
 
 Only full blocks are shared, and only blocks whose every position has been
 written: nobody writes to a shared block, so copy-on-write is never needed.
-A request's last, partial block is always its own.
+A request's last, partial block is always its own. What a registered block
+holds can still serve a sequence that shares only its first tokens:
+`match_partial` finds the registered block after a given prefix whose
+tokens begin the longest way like the sequence's next ones, and the request
+copies those positions into a block of its own (`BlockManager.allocate`),
+so a prompt shorter than a block, or one that leaves a block part way, is
+served from the cache as well (llama.cpp's and SGLang's token-granular
+reuse, on vLLM's block table).
 """
 
 from __future__ import annotations
@@ -103,6 +110,8 @@ class BlockAllocator:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unowned, LRU first
         self._entries: dict[int, _Entry] = {}  # block -> what it holds
         self._table: dict[bytes, list[int]] = {}  # key -> blocks registered under it
+        # (parent serial, first token) -> registered blocks: `match_partial`'s candidates.
+        self._children: dict[tuple[int, int], list[int]] = {}
         self._serials = itertools.count(1)
         self.evictions = 0  # cached blocks taken back for other contents
 
@@ -211,7 +220,26 @@ class BlockAllocator:
         entry = _Entry(key, tokens, parent.serial, next(self._serials))
         self._entries[block] = entry
         self._table.setdefault(key, []).append(block)
+        self._children.setdefault((parent.serial, tokens[0]), []).append(block)
         return PrefixKey(key, entry.serial)
+
+    def match_partial(self, parent: PrefixKey | None, tokens: Sequence[int]) -> tuple[int, int]:
+        """The registered block after the prefix `parent` (None: a sequence's first block)
+        whose tokens begin the longest way like `tokens`, and how many of them match:
+        `(block, count)`, or `(-1, 0)` if none shares even the first. Takes no
+        reference: `share` the block before anything else is allocated."""
+        if not self.prefix_caching or not tokens:
+            return -1, 0
+        parent_serial = parent.serial if parent is not None else 0
+        best, best_count = -1, 0
+        for block in self._children.get((parent_serial, tokens[0]), ()):
+            held = self._entries[block].tokens
+            count = 1
+            while count < min(len(held), len(tokens)) and held[count] == tokens[count]:
+                count += 1
+            if count > best_count:
+                best, best_count = block, count
+        return best, best_count
 
     def _lookup(self, key: bytes, tokens: tuple[int, ...], parent_serial: int) -> int | None:
         for block in self._table.get(key, ()):
@@ -223,7 +251,13 @@ class BlockAllocator:
 
     def _forget(self, block: int) -> None:
         entry = self._entries.pop(block)
-        bucket = self._table[entry.key]
-        bucket.remove(block)
-        if not bucket:
-            del self._table[entry.key]
+        _unlist(self._table, entry.key, block)
+        _unlist(self._children, (entry.parent_serial, entry.tokens[0]), block)
+
+
+def _unlist(index: dict, name: object, block: int) -> None:
+    """Take `block` off `index[name]`, and the name off the index once nothing is left."""
+    bucket = index[name]
+    bucket.remove(block)
+    if not bucket:
+        del index[name]

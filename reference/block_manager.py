@@ -67,24 +67,44 @@ class BlockManager:
 
     def allocate(self, request: Request) -> bool:
         """Give an unadmitted request its blocks: the cached ones that hold a prefix of
-        its sequence (`request.num_cached` counts their positions), then new ones for
-        the rest; False, taking none, if they do not fit."""
+        its sequence, then new ones for the rest; False, taking none, if they do not
+        fit. Where the cache holds the positions after those whole blocks only in part
+        (a registered block whose first tokens are the sequence's next ones), the first
+        new block is to get a copy of them: `request.prefix_copy` (source block,
+        destination block, positions), done by the pass before anything reads it, and
+        the source is held until `copied`. `request.num_cached` counts every position
+        served, copied ones included."""
         sequence = request.prompt_ids + request.output_ids
         size = self.block_size
         # The last token always runs: its logits choose the next token. So do the
         # positions that score the prompt (prompt_logprobs): the cache has no logits.
-        limit = (len(sequence) - 1) // size
+        reusable = len(sequence) - 1
         if request.prompt_positions():
-            limit = min(limit, request.prompt_positions().start // size)
-        hits, keys = self.allocator.match_prefix(sequence, size, limit)
+            reusable = min(reusable, request.prompt_positions().start)
+        hits, keys = self.allocator.match_prefix(sequence, size, reusable // size)
+        start = len(hits) * size
+        tail = sequence[start : min(start + size, reusable)]
+        source, count = self.allocator.match_partial(keys[-1] if keys else None, tail)
         self.allocator.share(hits)  # before allocating, so that no hit is evicted for the rest
         request.blocks = list(hits)
-        if not self.grow(request, request.length):
+        if count:  # held too while the rest is allocated; if that leaves too few, no copy
+            self.allocator.share([source])
+            if not self.grow(request, request.length):
+                self.allocator.free([source])
+                count = 0
+        if not count and not self.grow(request, request.length):
             self.free(request)
             return False
-        request.num_cached = len(hits) * size
+        request.prefix_copy = (source, request.blocks[len(hits)], count) if count else None
+        request.num_cached = start + count
         request.prefix_keys = keys
         return True
+
+    def copied(self, request: Request) -> None:
+        """The pass has made the request's prefix copy: let its source block go."""
+        if request.prefix_copy is not None:
+            self.allocator.free([request.prefix_copy[0]])
+            request.prefix_copy = None
 
     def grow(self, request: Request, positions: int) -> bool:
         """Give the request blocks for `positions` positions; False, taking none, if the
@@ -105,6 +125,7 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks (registered ones stay cached)."""
+        self.copied(request)
         if request.blocks:
             self.allocator.free(request.blocks)
         request.blocks = []
@@ -137,6 +158,9 @@ class NaiveBlockManager:
         return True
 
     def shrink(self, request: Request, positions: int) -> None:
+        pass
+
+    def copied(self, request: Request) -> None:
         pass
 
     def free(self, request: Request) -> None:

@@ -54,6 +54,14 @@ class PagedKVCache:
                 f"cache_tokens (or block_size) ({type(error).__name__})"
             ) from error
 
+    def copy_positions(self, source: int, destination: int, count: int) -> None:
+        """Copy the keys and values of the first `count` positions of block `source` into
+        block `destination`, in every layer (a prefix served from part of a cached
+        block: `BlockManager.allocate`)."""
+        for k_cache, v_cache in self.layers:
+            k_cache[destination, :count] = k_cache[source, :count]
+            v_cache[destination, :count] = v_cache[source, :count]
+
     def slots(self, blocks: list[int], start: int, count: int) -> list[int]:
         """Flat slots (block · block_size + offset) of positions start .. start + count − 1."""
         size = self.block_size

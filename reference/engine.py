@@ -377,6 +377,9 @@ class Engine:
         return outputs
 
     def _pass(self, batch: list[Request]) -> list[PassOutcome]:
+        for request in batch:  # before anything reads the positions (drafters included)
+            if request.prefix_copy is not None:
+                self.cache.copy_positions(*request.prefix_copy)
         if self.drafter is None:
             drafts = [Draft([]) for _ in batch]
         else:

@@ -106,6 +106,9 @@ class Request:
     # Keys of the leading full blocks registered for prefix caching
     # (`BlockManager.register_full_blocks`).
     prefix_keys: list[PrefixKey] = field(default_factory=list)
+    # Cached positions the next pass copies into the request's own block before it runs:
+    # (source block, destination block, positions) (`BlockManager.allocate`).
+    prefix_copy: tuple[int, int, int] | None = None
     cached_prompt_tokens: int | None = None  # prompt tokens reused at first admission
     draft_cached: int = 0  # positions a second-model drafter has cached
     target_passes: int = 0  # forward passes of the target that gave this request tokens

@@ -170,6 +170,7 @@ class Scheduler:
         """Apply a pass's outcome: the cache positions it wrote, then its tokens, up to
         the first that finishes the request, whose outputs are returned; then give
         back the blocks of rejected drafts."""
+        self.blocks.copied(request)  # the pass made it before running, failed or not
         if outcome.error is not None:
             return [self.fail(request, outcome.error)]
         if outcome.num_cached is not None:

@@ -1,6 +1,7 @@
 """The block manager's own contract, on requests alone (no model): a request's block
 table grows and shrinks by whole blocks, a prefix another request registered is
-mapped (never the last token's block), and every block comes back."""
+mapped (never the last token's block, whose positions before it are copied), and
+every block comes back."""
 
 from __future__ import annotations
 
@@ -44,9 +45,16 @@ def test_a_registered_prefix_is_mapped_but_never_the_last_tokens_block():
     same = request(1, 9)
     assert manager.allocate(same)
     assert same.blocks[:2] == first.blocks[:2] and same.num_cached == 8
-    exact = request(2, 8)  # its last token ends the second block: that block runs again
+    exact = request(2, 8)  # its last token ends the second block: that block is its own
     assert manager.allocate(exact)
-    assert exact.blocks[0] == first.blocks[0] and exact.num_cached == 4
-    for r in (first, same, exact):
+    assert exact.blocks[0] == first.blocks[0] and exact.blocks[1] != first.blocks[1]
+    # ... and holds a copy of the 3 positions before the last token, held until made.
+    assert exact.num_cached == 7 and exact.prefix_copy == (first.blocks[1], exact.blocks[1], 3)
+    assert manager.allocator.ref_counts[first.blocks[1]] == 3  # first, same and the copy
+    manager.copied(exact)
+    assert exact.prefix_copy is None and manager.allocator.ref_counts[first.blocks[1]] == 2
+    later = request(3, 8)
+    assert manager.allocate(later) and later.prefix_copy is not None
+    for r in (first, same, exact, later):  # `free` lets an unmade copy's source go too
         manager.free(r)
     assert free_blocks(manager) == 8  # registered blocks stay cached, but free to reuse

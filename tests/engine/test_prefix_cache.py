@@ -191,8 +191,10 @@ QUESTIONS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
 @pytest.mark.clause("LOOP-PREFIX-1")
 @pytest.mark.parametrize("hash_name", tuple(HASHES))
 def test_a_repeated_system_prompt_is_prefilled_once(hash_name):
-    """The second and later requests map the system prompt's two full blocks and
-    run only the rest; their tokens are those of an engine without the cache."""
+    """The second and later requests map the system prompt's two full blocks, copy its
+    last 8 positions from the first request's third block (registered once its
+    answer filled it), and run only their questions; their tokens are those of an
+    engine without the cache."""
     weights = small_model(3)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [SYSTEM + q for q in QUESTIONS]
@@ -202,7 +204,7 @@ def test_a_repeated_system_prompt_is_prefilled_once(hash_name):
     plain = one_after_another(
         Engine(weights, ByteTokenizer(), prefix_caching=False), prompts, params
     )
-    assert [o.cached_tokens for o in cached] == [0, 32, 32]
+    assert [o.cached_tokens for o in cached] == [0, 40, 40]
     assert [o.cached_tokens for o in plain] == [0, 0, 0]
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
 
@@ -227,7 +229,8 @@ def test_the_triton_backend_prefills_after_a_cached_prefix():
         )
         for caching in (True, False)
     }
-    assert [o.cached_tokens for o in outputs[True]] == [0, 8]
+    # Two whole blocks, and the third's first position copied from the first prompt's.
+    assert [o.cached_tokens for o in outputs[True]] == [0, 9]
     assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
 
 
@@ -250,14 +253,82 @@ def test_generated_tokens_are_reused_too():
 
 @pytest.mark.clause("LOOP-PREFIX-1")
 def test_the_last_prompt_token_always_runs():
-    """A prompt that is all cached blocks still runs its last block's last token
-    (its logits choose the first token): the last block is the request's own."""
+    """A prompt the cache holds whole still runs its last token (its logits choose the
+    first token): one whole block is mapped, and of the second, which the request
+    then writes, the 3 positions before it are copied."""
     weights = small_model(5)
     engine = Engine(weights, ByteTokenizer(), block_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     outputs = one_after_another(engine, [SYSTEM[:8], SYSTEM[:8]], params)
-    assert [o.cached_tokens for o in outputs] == [0, 4]
+    assert [o.cached_tokens for o in outputs] == [0, 7]
     assert outputs[0].token_ids == outputs[1].token_ids
+    check_released(engine)
+
+
+@pytest.mark.clause("LOOP-PREFIX-1")
+def test_a_prompt_within_one_block_is_served_from_part_of_a_cached_block():
+    """A registered block serves every sequence that begins like it: the same short
+    prompt again (all but its last token), and one sharing only its first tokens,
+    each copy those positions into a block of its own; their tokens are those of
+    the cache off."""
+    weights = small_model(9)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # 10 + 8 tokens: the first block of 16 fills with the answer and is registered.
+    prompts = [SYSTEM[:10], SYSTEM[:10], [*SYSTEM[:6], 1, 2, 3], [2, *SYSTEM[:9]]]
+    engine = Engine(weights, ByteTokenizer())
+    admissions = record_admissions(engine)
+    cached = one_after_another(engine, prompts, params)
+    plain = one_after_another(
+        Engine(weights, ByteTokenizer(), prefix_caching=False), prompts, params
+    )
+    assert [o.cached_tokens for o in cached] == [0, 9, 6, 0]
+    assert [n for _, n in admissions] == [0, 9, 6, 0]
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    check_released(engine)
+
+
+@pytest.mark.clause("LOOP-PREFIX-1")
+def test_a_partial_block_after_whole_ones_is_served_and_its_source_never_evicted():
+    """Two whole blocks of 4 and two positions of a third are reused. The block the
+    two positions come from is the least recently used in a full pool, yet the
+    request's own blocks evict another: the source is held until the pass copied
+    it. The tokens are those of the cache off."""
+    weights = small_model(10)
+    engine = Engine(weights, ByteTokenizer(), block_size=4, cache_tokens=28)  # 7 blocks
+    prefix, greedy = SYSTEM[:12], SamplingParams(temperature=0.0, max_tokens=1)
+    one_after_another(engine, [prefix], greedy)  # 3 blocks registered; the last goes first
+    one_after_another(engine, [[7, 7, 7, 7, 9]], greedy)  # one more, most recently used
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()  # it holds two blocks: one is free, four cached
+    prompt = [*prefix[:10], 100, 101, 102]  # 2 whole blocks + 2 positions, 4 blocks
+    request_id = engine.add_request(prompt, greedy)
+    while engine.has_unfinished():
+        engine.step()
+        check_blocks(engine)
+    assert engine.output(request_id).cached_tokens == 10
+    pool = engine.block_manager.allocator
+    assert len(pool.match_prefix(prefix, 4, 3)[0]) == 3, "the source was evicted"
+    assert pool.match_prefix([7, 7, 7, 7], 4, 1)[0] == [], "the other block was not"
+    plain = Engine(weights, ByteTokenizer(), prefix_caching=False)
+    assert engine.output(request_id).token_ids == (
+        one_after_another(plain, [prompt], greedy)[0].token_ids
+    )
+    check_released(engine)
+
+
+def test_a_copy_that_would_leave_too_few_blocks_is_skipped_not_waited_for():
+    """Holding the source would leave the request one block short of a pool it fits
+    alone: it is admitted without the copy (and computes those positions) instead
+    of waiting for room that never comes."""
+    weights = small_model(11)
+    engine = Engine(weights, ByteTokenizer(), block_size=4, cache_tokens=12)  # 3 blocks
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    one_after_another(engine, [SYSTEM[:8]], greedy)  # two blocks registered
+    prompt = [*SYSTEM[:2], *range(100, 107)]  # 9 tokens: all 3 blocks
+    (output,) = one_after_another(engine, [prompt], greedy)
+    assert output.finish_reason == "length" and output.cached_tokens == 0
+    plain = Engine(weights, ByteTokenizer(), prefix_caching=False)
+    assert output.token_ids == one_after_another(plain, [prompt], greedy)[0].token_ids
     check_released(engine)
 
 
@@ -419,6 +490,26 @@ def test_a_reused_parent_block_never_vouches_for_its_old_children():
     assert reused == parent_block and pool.evictions == 1
     pool.register(reused, None, [1, 1])  # the same tokens, rewritten
     assert pool.match_prefix([1, 1, 2, 2], 2, 2)[0] == [reused]
+
+
+def test_match_partial_finds_the_longest_begun_block_after_the_same_parent():
+    pool = BlockAllocator(4, prefix_caching=True)
+    first, short, long_, other = pool.allocate(4)
+    parent = pool.register(first, None, [1, 1, 1])
+    pool.register(short, parent, [2, 3, 9])
+    pool.register(long_, parent, [2, 3, 4])
+    pool.register(other, None, [2, 3, 4])  # the same tokens as a sequence's first block
+    assert pool.match_partial(parent, [2, 3, 4]) == (long_, 3)
+    assert pool.match_partial(parent, [2, 3]) == (short, 2)  # of equals, the first registered
+    assert pool.match_partial(parent, [2, 5, 4]) == (short, 1)
+    assert pool.match_partial(None, [2, 3, 7]) == (other, 2)
+    assert pool.match_partial(parent, [5, 3, 4]) == (-1, 0)
+    assert pool.match_partial(parent, []) == (-1, 0)
+    pool.free([first, short, long_, other])  # cached: other, long_, short, first (LRU first)
+    pool.allocate(2)  # evicts other and long_: they leave the index
+    assert pool.match_partial(None, [2, 3, 7]) == (-1, 0)
+    assert pool.match_partial(parent, [2, 3, 4]) == (short, 2)
+    assert BlockAllocator(1).match_partial(None, [1]) == (-1, 0)  # prefix caching off
 
 
 def test_registering_a_block_twice_or_an_unowned_one_is_refused():

@@ -223,10 +223,13 @@ def test_a_completion_has_the_openai_shape(client, engine):
 
 @pytest.mark.clause("LOOP-PREFIX-1")
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
-    """Two chats with one system message: the second maps the blocks (of 4 tokens)
-    of their common prefix, and says so as OpenAI does; streamed usage too."""
+    """Chats with one system message: the second maps the blocks (of 4 tokens) of
+    their common prefix, the third also the first two positions of the second's
+    question ("Wh"), copied from its block; each says so as OpenAI does, streamed
+    usage too."""
     system = {"role": "system", "content": "Answer in French, briefly, always."}
     common = len(f"<system>{system['content']}<user>")  # one byte, one token
+    assert common % 4 == 0  # the questions start a block
     cached = []
     for question, stream in (("Hi?", False), ("Why?", False), ("Who?", True)):
         body = {"messages": [system, {"role": "user", "content": question}], "max_tokens": 2}
@@ -237,7 +240,7 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
         else:
             usage = client.post("/v1/chat/completions", json=body).json()["usage"]
         cached.append(usage["prompt_tokens_details"]["cached_tokens"])
-    assert cached == [0, common // 4 * 4, common // 4 * 4]
+    assert cached == [0, common, common + 2]
 
 
 def test_a_stream_is_server_sent_events_ending_with_done(client):
