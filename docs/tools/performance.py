@@ -430,7 +430,8 @@ def prefix_section(report: dict | None) -> str:
             rows,
         )
         + "\n\nThe hit rate is the later questions' cached prompt tokens over their prompt "
-        + "tokens: the system prompt (and any opening the questions share), in whole blocks.\n\n"
+        + "tokens: the system prompt and any opening the questions share, to the token (whole "
+        + "blocks, then the part of the next one an earlier request's block holds).\n\n"
         + "### Targets\n\n"
         + targets_list(report["targets"])
     )
