@@ -7,7 +7,9 @@
  * weight, and 64 products (two blocks) cost two `maddubs` and one `madd` (AVX2)
  * instead of eight conversions and eight float FMAs: on a 2-core AVX2 machine a
  * decode step's projections take well under half of PyTorch's kernels' time
- * (tests/benchmarks/quantized_product.py). Each (weight row, activation row)
+ * (tests/benchmarks/quantized_product.py). With several tokens, a 4-bit weight row's
+ * nibbles are unpacked once for four activation rows (`int4_row_x4`): 10 to 25% off
+ * the projections of a 16-row decode step. Each (weight row, activation row)
  * sum runs in one order, block after block, whatever the number of rows and
  * however the rows are split among threads: a row's result never depends on its
  * batch.
@@ -424,6 +426,26 @@ AVX2 __attribute__((always_inline)) static inline __m256i chunk_sums(const uint8
         _mm256_hadd_epi32(int4_pair_sums(row, c, b, 2), int4_pair_sums(row, c, b, 3)));
 }
 
+/* The blocks of activation row m from b on, one at a time (those past the last whole
+ * chunk), added to the chunks' sums `total` and `offset`: the row's product. */
+AVX2 __attribute__((always_inline)) static inline float row_tail(const product_args *p,
+                                                                 const uint8_t *row,
+                                                                 const float *ws,
+                                                                 const float *wo, int64_t m,
+                                                                 int64_t b, __m256 total,
+                                                                 __m256 offset, const int bits) {
+    const int64_t blocks = p->k / BLOCK;
+    const int8_t *c = p->x_codes + m * p->k;
+    const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
+    float rest = 0.0f;
+    for (; b < blocks; b++) {
+        const __m256 sums = _mm256_cvtepi32_ps(block_sums(row, c, b, bits));
+        total = _mm256_fmadd_ps(sums, _mm256_set1_ps(ws[b] * d[b]), total);
+        rest += wo[b] * d_sum[b];
+    }
+    return hsum256(total) + (hsum256(offset) + rest);
+}
+
 /* The AVX2 form of weight row `row` (its block scales ws and offsets wo) times activation
  * row m. Each block's 32 products are summed exactly in integers, eight blocks to a
  * vector (`chunk_sums`); the vector is converted and scaled in float32 lanes by the
@@ -447,13 +469,52 @@ AVX2 __attribute__((always_inline)) static inline float row_avx2(const product_a
         total = _mm256_fmadd_ps(sums, scale, total);
         offset = _mm256_fmadd_ps(_mm256_loadu_ps(wo + b), _mm256_loadu_ps(d_sum + b), offset);
     }
-    float rest = 0.0f;
-    for (; b < blocks; b++) {
-        const __m256 sums = _mm256_cvtepi32_ps(block_sums(row, c, b, bits));
-        total = _mm256_fmadd_ps(sums, _mm256_set1_ps(ws[b] * d[b]), total);
-        rest += wo[b] * d_sum[b];
+    return row_tail(p, row, ws, wo, m, b, total, offset, bits);
+}
+
+/* `row_avx2` of a 4-bit weight row against activation rows m to m + 3 at once: the
+ * row's nibbles are loaded and unpacked once for the four (the work a batch shares).
+ * Each activation row's sums, conversions and FMAs are row_avx2's, in its order: every
+ * result has the bits row_avx2 gives that row alone. */
+AVX2 static inline void int4_row_x4(const product_args *p, const uint8_t *row, const float *ws,
+                                    const float *wo, int64_t m, float *out) {
+    const int64_t blocks = p->k / BLOCK;
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 total[4], offset[4];
+    for (int r = 0; r < 4; r++) total[r] = offset[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + CHUNK <= blocks; b += CHUNK) {
+        __m256i halves[2][4]; /* [slots 0-1 or 2-3][row]: hadd of the two slots' sums */
+        for (int half = 0; half < 2; half++) {
+            __m256i sums[2][4];
+            for (int s = 0; s < 2; s++) {
+                const int slot = 2 * half + s;
+                const __m256i bytes =
+                    _mm256_loadu2_m128i((const __m128i *)(row + (b + slot + 4) * (BLOCK / 2)),
+                                        (const __m128i *)(row + (b + slot) * (BLOCK / 2)));
+                const __m256i low = _mm256_and_si256(bytes, nibble);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                for (int r = 0; r < 4; r++) {
+                    const int8_t *x = p->x_codes + (m + r) * p->k + (b + 2 * slot) * BLOCK;
+                    const __m256i even =
+                        _mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)x));
+                    const __m256i odd = _mm256_maddubs_epi16(
+                        high, _mm256_loadu_si256((const __m256i *)(x + BLOCK)));
+                    sums[s][r] = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+                }
+            }
+            for (int r = 0; r < 4; r++) halves[half][r] = _mm256_hadd_epi32(sums[0][r], sums[1][r]);
+        }
+        for (int r = 0; r < 4; r++) {
+            const float *d = p->d + (m + r) * blocks, *d_sum = p->d_sum + (m + r) * blocks;
+            const __m256 sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(halves[0][r], halves[1][r]));
+            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws + b), _mm256_loadu_ps(d + b));
+            total[r] = _mm256_fmadd_ps(sums, scale, total[r]);
+            offset[r] =
+                _mm256_fmadd_ps(_mm256_loadu_ps(wo + b), _mm256_loadu_ps(d_sum + b), offset[r]);
+        }
     }
-    return hsum256(total) + (hsum256(offset) + rest);
+    for (int r = 0; r < 4; r++) out[r] = row_tail(p, row, ws, wo, m + r, b, total[r], offset[r], 4);
 }
 
 /* Rows [begin, end) of the weight against every activation row. With groups of more
@@ -476,7 +537,12 @@ AVX2 __attribute__((always_inline)) static inline float row_avx2(const product_a
                 ws = block_scales, wo = block_offsets;                                          \
             }                                                                                   \
             const uint8_t *row = p->codes + n * (bits == 4 ? p->k / 2 : p->k);                  \
-            for (int64_t m = 0; m < p->m; m++)                                                  \
+            int64_t m = 0;                                                                      \
+            for (float four[4]; bits == 4 && m + 4 <= p->m; m += 4) {                           \
+                int4_row_x4(p, row, ws, wo, m, four);                                           \
+                for (int r = 0; r < 4; r++) store(p, m + r, n, p->n_rows, four[r]);             \
+            }                                                                                   \
+            for (; m < p->m; m++)                                                               \
                 store(p, m, n, p->n_rows, row_avx2(p, row, ws, wo, m, bits));                   \
         }                                                                                       \
     }
