@@ -19,7 +19,11 @@ every backend:
   model's shapes, and checked by `tests/engine/test_batch_invariance.py` on the
   machine that runs it;
 - attention and the KV append are the spec's own, one sequence at a time,
-  whatever the batch (`spec.attention.paged_attention`, `spec.append.append_kv`);
+  whatever the batch (`spec.attention.paged_attention`, `spec.append.append_kv`),
+  and every query row is computed as a sequence of its own (`rows_alone`): a
+  row's bits would otherwise depend on how many rows its sequence has in the
+  pass (ATTN-INVARIANT-1), which a cached prefix changes (a prompt's last
+  token alone after the cache, among all of them without);
 - the sampling stages (processors, sampling, logprobs, verification) run on one
   thread (`one_thread`): PyTorch splits a lone row's sums between threads;
 - no native step: every pass takes the same PyTorch path;
@@ -144,6 +148,51 @@ def one_thread(stage: Callable[..., T]) -> Callable[..., T]:
     return on_one_thread
 
 
+def rows_alone(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start: Tensor,
+    *,
+    scale: float | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`spec.attention.paged_attention` with each query row computed as a sequence of
+    its own: the row at position p of a sequence attends to its p + 1 first
+    positions as a one-row sequence of length p + 1 would (the causal mask's
+    result, ATTN-CAUSAL-1). A row's bits then depend on the row, its position
+    and the cache alone, never on how many rows its sequence runs in the pass:
+    a prompt prefilled whole, in chunks or after a cached prefix gives each
+    position the same keys and values, and its last token the same logits.
+    Arguments, results and errors are `paged_attention`'s."""
+    if validate:
+        lens, starts = attention.check_attention_args(
+            q, k_cache, v_cache, block_table, seq_lens, query_start, scale
+        )
+    else:
+        lens, starts = seq_lens.tolist(), query_start.tolist()
+    sequence_of_row, length_of_row = [], []
+    for b, seq_len in enumerate(lens):
+        q_len = starts[b + 1] - starts[b]
+        sequence_of_row += [b] * q_len
+        length_of_row += range(seq_len - q_len + 1, seq_len + 1)
+    index = torch.tensor(sequence_of_row, dtype=torch.int64, device=block_table.device)
+    return attention.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table.index_select(0, index),
+        torch.tensor(length_of_row, dtype=seq_lens.dtype, device=seq_lens.device),
+        torch.arange(len(sequence_of_row) + 1, dtype=query_start.dtype, device=query_start.device),
+        scale=scale,
+        return_lse=return_lse,
+        validate=False,
+    )
+
+
 def batch_invariant_backend(backend: Backend) -> Backend:
     """`backend` with the spec's per-sequence attention and KV append, its sampling
     stages on one thread, no native step, and quantized projections on the CPU kernels
@@ -155,7 +204,7 @@ def batch_invariant_backend(backend: Backend) -> Backend:
     return replace(
         backend,
         prepare_weights=prepare,
-        paged_attention=attention.paged_attention,
+        paged_attention=rows_alone,
         append_kv=append.append_kv,
         sample=one_thread(backend.sample),
         process_logits=one_thread(backend.process_logits),

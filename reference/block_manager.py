@@ -48,6 +48,11 @@ class BlockManager:
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether a request admitted maps what earlier ones cached (prefix caching)."""
+        return self.allocator.prefix_caching
+
     def blocks_for(self, positions: int) -> int:
         """How many blocks hold `positions` positions."""
         return -(-positions // self.block_size)
@@ -147,6 +152,8 @@ class BlockManager:
 class NaiveBlockManager:
     """Naive decoding's twin of `BlockManager`: no cache, so every request fits and
     owns no blocks."""
+
+    reuses_prefixes = False
 
     def check_fits(self, request: Request, max_tokens: int, limit: str) -> None:
         pass

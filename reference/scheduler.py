@@ -24,10 +24,15 @@ ones, never stalls the requests already decoding, and short prompts get
 their first token without waiting for a long one before them.
 
 With prefix caching, a request admitted maps the cached blocks that hold the
-longest whole-block prefix of its sequence (never its last token, whose
-logits it needs) and runs only the rest; after each pass, its newly full
-blocks are registered so that later requests can map them
-(`block_manager.py`, LOOP-PREFIX-1).
+longest prefix of its sequence (never its last token, whose logits it needs)
+and runs only the rest; after each pass, its newly full blocks are
+registered so that later requests can map them (`block_manager.py`,
+LOOP-PREFIX-1). A waiting request whose prompt begins like one this pass
+prefills, for at least a block of positions the pass computes, waits for
+the next pass and maps them then instead of computing them too (SGLang's
+in-batch prefix caching): sixteen chats that arrive together with one
+system prompt prefill it once, not sixteen times. It keeps its place in
+line; requests behind it that share nothing are admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -85,12 +90,17 @@ class Scheduler:
             request.num_scheduled = 1
         for request in prefilling:  # prompts under way, oldest first
             left = self._schedule_chunk(request, left)
+        deferred: list[Request] = []  # waiting for a prefix this pass computes
         while self.waiting and not preempted and (left is None or left > 0):
+            if self._prefix_in_this_pass(self.waiting[0]):
+                deferred.append(self.waiting.popleft())
+                continue
             if not self.admit(self.waiting[0]):
                 break  # it fits once running requests finish
             request = self.waiting.popleft()
             self.running.append(request)
             left = self._schedule_chunk(request, left)
+        self.waiting.extendleft(reversed(deferred))
         batch = [r for r in self.running if r.num_scheduled > 0]
         for request in batch:
             request.draft_slots = self._draft_slots(request) if request.samples else 0
@@ -110,6 +120,21 @@ class Scheduler:
                 if victim is request:
                     break
         return preempted
+
+    def _prefix_in_this_pass(self, waiting: Request) -> bool:
+        """Whether a request of this pass computes at least a block of positions that
+        begin the waiting request's prompt (which it could map after the pass)."""
+        if not self.blocks.reuses_prefixes:
+            return False
+        prompt = waiting.prompt_ids
+        for request in self.running:
+            start, end = request.num_cached, request.num_cached + request.num_scheduled
+            if request.num_scheduled == 0 or end - start < self.blocks.block_size:
+                continue
+            shared = _common_prefix(prompt, request.prompt_ids, end)
+            if shared - start >= self.blocks.block_size:
+                return True
+        return False
 
     @staticmethod
     def _schedule_chunk(request: Request, left: int | None) -> int | None:
@@ -226,3 +251,13 @@ class Scheduler:
         return RequestStepOutput(
             token_id=None, text="", finish_reason="error", request_id=request.id, error=message
         )
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, counting at most `limit`."""
+    count = 0
+    for x, y in zip(a[:limit], b[:limit], strict=False):
+        if x != y:
+            break
+        count += 1
+    return count

@@ -18,6 +18,7 @@ from decodespec.reference.batch_invariance import (
     RowBlockLinear,
     one_thread,
     row_blocked,
+    rows_alone,
 )
 from decodespec.reference.engine import Engine
 from decodespec.reference.weight_formats import convert_weights, describe
@@ -178,8 +179,8 @@ def test_a_request_in_a_batch_is_the_spec_loop_bit_for_bit(models, fmt, backend)
     """LOOP-INVARIANT-1: the engine in this mode, running the request beside others
     that join at other steps, gives every token and logprob the bits of the spec's loop
     on the request alone with the mode's projections (the engine's own weights: the
-    backend's formats, row-blocked) and one-thread sampling stages: no near-tie
-    ambiguity."""
+    backend's formats, row-blocked), its attention (each query row alone) and
+    one-thread sampling stages: no near-tie ambiguity."""
     weights = models[fmt]
     others = [list(b"abcdefghijklmnopqrstuvwxyz" * 2)[:n] for n in (5, 40)]
     engine = Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True)
@@ -194,6 +195,7 @@ def test_a_request_in_a_batch_is_the_spec_loop_bit_for_bit(models, fmt, backend)
             PARAMS,
             eos_token_ids=tokenizer.eos_token_ids,
             token_bytes=tokenizer.token_bytes,
+            attention=rows_alone,
             sample=one_thread(sampling.sample),
             process_logits=one_thread(sampling.process_logits),
             compute_logprobs=one_thread(sampling.compute_logprobs),
@@ -232,3 +234,44 @@ def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch():
     batch = backend.compute_logprobs(logits, tokens, 5)
     assert torch.equal(alone.top_logprobs[0], batch.top_logprobs[1])
     assert torch.equal(alone.token_logprobs[0], batch.token_logprobs[1])
+
+
+@pytest.mark.clause("LOOP-PREFIX-1", "LOOP-INVARIANT-1")
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_a_prompt_after_its_cached_prefix_has_the_bits_of_the_cache_off(models, fmt):
+    """A prompt after one that began like it: the cache serves all but its last token
+    (whole blocks of 16, or part of one, or both), which then runs as the pass's only
+    query row, where the spec's attention computes a lone row in other bits than one
+    among many. The mode computes every query row alone: the bits of the cache off."""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=3, top_logprobs=2, ignore_eos=True)
+    cached = Engine(models[fmt], ByteTokenizer(), batch_invariant=True)
+    plain = Engine(models[fmt], ByteTokenizer(), batch_invariant=True, prefix_caching=False)
+    run(cached, [list(REQUEST[:40])], params=params)  # registers its first two blocks
+    for length in (2, 5, 16, 17, 18, 30, 33):
+        prompt = list(REQUEST[:length])
+        again = run(cached, [prompt], params=params)[0]
+        assert again.cached_tokens == length - 1
+        assert bits(again) == bits(run(plain, [prompt], params=params)[0]), length
+
+
+def test_rows_alone_is_the_specs_attention_and_a_rows_bits_are_its_own():
+    """`rows_alone` against `spec.attention.paged_attention`: the same values (float64
+    tolerance) and log-sum-exp; and each row, computed in a pass of 1, 3 or 7 rows of its
+    sequence, has the same bits."""
+    from decodespec.spec.attention import paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(6, 4, 2, 8, generator=g) for _ in range(2))
+    table = torch.tensor([[5, 2, 0, 3], [1, 4, 0, 0]])
+    q = torch.randn(10, 6, 8, generator=g)
+    lens, starts = torch.tensor([15, 3]), torch.tensor([0, 7, 10])
+    out, lse = rows_alone(q, k_cache, v_cache, table, lens, starts, return_lse=True)
+    want, want_lse = paged_attention(q.double(), k_cache.double(), v_cache.double(), table, lens,
+                                     starts, return_lse=True)  # fmt: skip
+    assert torch.allclose(out.double(), want, atol=1e-5) and torch.allclose(lse, want_lse.float())
+    for rows in (1, 3, 7):  # the last `rows` query rows of sequence 0 alone
+        part = rows_alone(q[7 - rows : 7], k_cache, v_cache, table[:1], lens[:1],
+                          torch.tensor([0, rows]))  # fmt: skip
+        assert torch.equal(part, out[7 - rows : 7]), rows
+    with pytest.raises(ValueError, match="query_start"):
+        rows_alone(q, k_cache, v_cache, table, lens, torch.tensor([0, 7, 9]))

@@ -333,20 +333,34 @@ def test_a_copy_that_would_leave_too_few_blocks_is_skipped_not_waited_for():
 
 
 @pytest.mark.clause("LOOP-PREFIX-1")
-def test_requests_arriving_together_share_from_the_next_step_on():
-    """Blocks are registered after the pass that writes them: requests admitted in
-    the same step each prefill; one admitted a step later reuses."""
+def test_requests_arriving_together_wait_a_pass_for_the_prefix_one_of_them_computes():
+    """Blocks are registered after the pass that writes them. A waiting request whose
+    prompt begins like one this pass prefills (a block or more of it) waits for the
+    next pass and maps those blocks; one that shares nothing is admitted at once.
+    Without prefix caching the second is admitted at once (the token budget, 64,
+    then has no room left for the third). The tokens are those of the cache off."""
     weights = small_model(6)
-    engine = Engine(weights, ByteTokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    together = [engine.add_request(SYSTEM + q, params) for q in QUESTIONS[:2]]
-    engine.step()
-    later = engine.add_request(SYSTEM + QUESTIONS[2], params)
-    while engine.has_unfinished():
+    prompts = [SYSTEM + QUESTIONS[0], SYSTEM + QUESTIONS[1], [7] * 20]
+    outputs = {}
+    for caching in (True, False):
+        engine = Engine(weights, ByteTokenizer(), prefix_caching=caching)
+        admissions = record_admissions(engine)
+        ids = [engine.add_request(p, params) for p in prompts]
         engine.step()
-        check_blocks(engine)
-    assert [engine.output(i).cached_tokens for i in [*together, later]] == [0, 0, 32]
-    check_released(engine)
+        admitted_first = [i for i, _ in admissions]
+        ids.append(engine.add_request(SYSTEM + QUESTIONS[2], params))
+        while engine.has_unfinished():
+            engine.step()
+            check_blocks(engine)
+        outputs[caching] = [engine.output(i) for i in ids]
+        if caching:
+            assert admitted_first == [ids[0], ids[2]]
+            assert [o.cached_tokens for o in outputs[caching]] == [0, 32, 0, 32]
+            check_released(engine)
+        else:
+            assert admitted_first == ids[:2]
+    assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
 
 
 @pytest.mark.clause("LOOP-PREFIX-1")
