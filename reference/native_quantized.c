@@ -7,9 +7,9 @@
  * weight, and 64 products (two blocks) cost two `maddubs` and one `madd` (AVX2)
  * instead of eight conversions and eight float FMAs: on a 2-core AVX2 machine a
  * decode step's projections take well under half of PyTorch's kernels' time
- * (tests/benchmarks/quantized_product.py). With several tokens, a 4-bit weight row's
- * nibbles are unpacked once for four activation rows (`int4_row_x4`): 10 to 25% off
- * the projections of a 16-row decode step. Each (weight row, activation row)
+ * (tests/benchmarks/quantized_product.py). With several tokens, a weight row's codes
+ * are loaded and unpacked once for four activation rows (`int4_row_x4`, `int8_row_x4`),
+ * and the four rows' sums are reduced together (`finish_x4`). Each (weight row, activation row)
  * sum runs in one order, block after block, whatever the number of rows and
  * however the rows are split among threads: a row's result never depends on its
  * batch.
@@ -277,7 +277,8 @@ __attribute__((target("avx2,fma"))) static float quantize_block_avx2(const float
  * blocks (0, 4), (1, 5), (2, 6), (3, 7): a pair is its first block's even elements, its
  * second's even elements, then the first's odd and the second's odd ones, so that a
  * byte's low nibbles meet the even elements and its high nibbles the odd ones, two blocks
- * at a time. A block past the last whole chunk is its even elements, then its odd ones. */
+ * at a time. Past the last whole chunk, consecutive blocks pair up in the same way, and
+ * a last block left alone is its even elements, then its odd ones. */
 static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, int paired,
                          int8_t *codes, float *d, float *d_sum) {
     const int64_t blocks = k / BLOCK, in_chunks = blocks - blocks % CHUNK;
@@ -299,13 +300,17 @@ static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, in
         const float scale = quantize_block(v, block, &sum);
         (void)avx2;
 #endif
-        const int64_t chunk = b - b % CHUNK, slot = b % (CHUNK / 2), half = b % CHUNK / 4;
+        /* the pair holding block b: its first block, and which of the two b is */
+        int64_t pair = -1, half = 0;
+        if (b < in_chunks)
+            pair = b - b % CHUNK + 2 * (b % (CHUNK / 2)), half = b % CHUNK / 4;
+        else if ((b - in_chunks) % 2 == 1 || b + 1 < blocks)
+            pair = b - (b - in_chunks) % 2, half = (b - in_chunks) % 2;
         if (!paired)
             memcpy(codes + b * BLOCK, block, BLOCK);
-        else if (b < in_chunks)
+        else if (pair >= 0)
             for (int j = 0; j < BLOCK; j++)
-                codes[(chunk + 2 * slot) * BLOCK + (j % 2) * BLOCK + half * (BLOCK / 2) + j / 2] =
-                    block[j];
+                codes[pair * BLOCK + (j % 2) * BLOCK + half * (BLOCK / 2) + j / 2] = block[j];
         else
             for (int j = 0; j < BLOCK; j++)
                 codes[b * BLOCK + (j % 2) * (BLOCK / 2) + j / 2] = block[j];
@@ -351,125 +356,198 @@ static float dot_scalar(const product_args *p, int64_t n, int64_t m) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 #define AVX2 __attribute__((target("avx2,fma")))
 
-/* Block b alone: 8 int32 lanes of its sums. A 4-bit block's activation codes are its
- * even elements, then its odd ones (a block past the last whole chunk); an 8-bit block
- * is in element order. */
-AVX2 __attribute__((always_inline)) static inline __m256i block_sums(const uint8_t *row,
-                                                                      const int8_t *c, int64_t b,
-                                                                      const int bits) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK));
-    __m256i pairs;
-    if (bits == 4) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * (BLOCK / 2)));
-        pairs = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4),
-                                                                        bytes),
-                                                       _mm256_set1_epi8(15)),
-                                     x);
-    } else {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
-        pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    }
+/* An 8-bit weight block (32 codes) and its magnitudes: a batch loads them once for all
+ * its rows. */
+typedef struct {
+    __m256i codes, magnitude;
+} int8_block;
+
+AVX2 __attribute__((always_inline)) static inline int8_block int8_weights(const uint8_t *row,
+                                                                           int64_t b) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
+    return (int8_block){w, _mm256_sign_epi8(w, w)};
+}
+
+/* An 8-bit block against its 32 activation codes x: 8 int32 lanes of its sums (`maddubs`
+ * takes one unsigned operand: |w| times x with w's sign). */
+AVX2 __attribute__((always_inline)) static inline __m256i int8_block_sums(int8_block w,
+                                                                           const int8_t *x) {
+    const __m256i pairs = _mm256_maddubs_epi16(
+        w.magnitude, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w.codes));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* Pair `slot` of the chunk at block b, blocks b + slot and b + slot + 4 of a 4-bit row:
- * their 32 bytes of codes against quantize_row's pair layout, the low nibbles times the
- * two blocks' even elements and the high nibbles times their odd ones (one `maddubs`
- * each), added in int16 (|sum| <= 4 · 15 · 127 < 2^15) and widened by one `madd`: 8
- * int32, the first block's sums in the low 4 lanes and the second's in the high 4. */
-AVX2 __attribute__((always_inline)) static inline __m256i int4_pair_sums(const uint8_t *row,
-                                                                          const int8_t *c,
-                                                                          int64_t b, int slot) {
+/* Block b alone: 8 int32 lanes of its sums. A 4-bit block's activation codes are its
+ * even elements, then its odd ones (the last block of an odd tail); an 8-bit block is
+ * in element order. */
+AVX2 __attribute__((always_inline)) static inline __m256i block_sums(const uint8_t *row,
+                                                                      const int8_t *c, int64_t b,
+                                                                      const int bits) {
+    if (bits == 8) return int8_block_sums(int8_weights(row, b), c + b * BLOCK);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * (BLOCK / 2)));
+    const __m256i codes =
+        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
+}
+
+/* Two 4-bit weight blocks' 32 bytes of codes, `first`'s in the low 128 bits and
+ * `second`'s in the high ones, unpacked: the low nibbles (the even elements) and the
+ * high ones (the odd elements). A batch unpacks them once for all its rows. */
+typedef struct {
+    __m256i even, odd;
+} nibbles;
+
+AVX2 __attribute__((always_inline)) static inline nibbles int4_nibbles(const uint8_t *row,
+                                                                        int64_t first,
+                                                                        int64_t second) {
     const __m256i nibble = _mm256_set1_epi8(15);
-    const __m256i bytes = _mm256_loadu2_m128i((const __m128i *)(row + (b + slot + 4) * (BLOCK / 2)),
-                                              (const __m128i *)(row + (b + slot) * (BLOCK / 2)));
-    const int8_t *x = c + (b + 2 * slot) * BLOCK;
-    const __m256i x_even = _mm256_loadu_si256((const __m256i *)x);
-    const __m256i x_odd = _mm256_loadu_si256((const __m256i *)(x + BLOCK));
-    const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(bytes, nibble), x_even);
+    const __m256i bytes = _mm256_loadu2_m128i((const __m128i *)(row + second * (BLOCK / 2)),
+                                              (const __m128i *)(row + first * (BLOCK / 2)));
+    return (nibbles){_mm256_and_si256(bytes, nibble),
+                     _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)};
+}
+
+/* A pair of 4-bit blocks against its 64 activation codes x in quantize_row's pair
+ * layout: the low nibbles times the two blocks' even elements and the high nibbles times
+ * their odd ones (one `maddubs` each), added in int16 (|sum| <= 4 · 15 · 127 < 2^15) and
+ * widened by one `madd`: 8 int32, the first block's sums in the low 4 lanes and the
+ * second's in the high 4. */
+AVX2 __attribute__((always_inline)) static inline __m256i int4_pair_sums(nibbles w,
+                                                                          const int8_t *x) {
+    const __m256i even = _mm256_maddubs_epi16(w.even, _mm256_loadu_si256((const __m256i *)x));
     const __m256i odd =
-        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), x_odd);
+        _mm256_maddubs_epi16(w.odd, _mm256_loadu_si256((const __m256i *)(x + BLOCK)));
     return _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1));
 }
 
-/* Four 8-bit blocks from b: 8 int32, lane j + 4h the sum of block b + j's half h. */
-AVX2 __attribute__((always_inline)) static inline __m256i int8_quad_sums(const uint8_t *row,
-                                                                          const int8_t *c,
-                                                                          int64_t b) {
-    return _mm256_hadd_epi32(
-        _mm256_hadd_epi32(block_sums(row, c, b, 8), block_sums(row, c, b + 1, 8)),
-        _mm256_hadd_epi32(block_sums(row, c, b + 2, 8), block_sums(row, c, b + 3, 8)));
+/* Four 8-bit blocks' sums, lane j + 4h the sum of block j's half h. */
+AVX2 __attribute__((always_inline)) static inline __m256i int8_quad(const __m256i s[4]) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
 }
 
 AVX2 __attribute__((always_inline)) static inline __m128i fold(__m256i v) {
     return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
 }
 
-/* Blocks b to b + 7: each block's whole sum in lane b + j, by integer additions (exact). */
+/* The four pairs' sums of a 4-bit chunk, slot s holding blocks s and s + 4, folded by
+ * integer additions (exact): each block's whole sum in lane s and s + 4. */
+AVX2 __attribute__((always_inline)) static inline __m256i chunk_of_pairs(const __m256i s[4]) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+}
+
+/* Blocks b to b + 7: each block's whole sum in lane b + j. */
 AVX2 __attribute__((always_inline)) static inline __m256i chunk_sums(const uint8_t *row,
                                                                       const int8_t *c, int64_t b,
                                                                       const int bits) {
-    if (bits == 8)
-        return _mm256_set_m128i(fold(int8_quad_sums(row, c, b + 4)),
-                                fold(int8_quad_sums(row, c, b)));
-    return _mm256_hadd_epi32(
-        _mm256_hadd_epi32(int4_pair_sums(row, c, b, 0), int4_pair_sums(row, c, b, 1)),
-        _mm256_hadd_epi32(int4_pair_sums(row, c, b, 2), int4_pair_sums(row, c, b, 3)));
+    __m256i s[4];
+    if (bits == 8) {
+        __m128i quads[2];
+        for (int quad = 0; quad < 2; quad++) {
+            for (int j = 0; j < 4; j++) s[j] = block_sums(row, c, b + 4 * quad + j, 8);
+            quads[quad] = fold(int8_quad(s));
+        }
+        return _mm256_set_m128i(quads[1], quads[0]);
+    }
+    for (int slot = 0; slot < 4; slot++)
+        s[slot] = int4_pair_sums(int4_nibbles(row, b + slot, b + slot + 4),
+                                 c + (b + 2 * slot) * BLOCK);
+    return chunk_of_pairs(s);
 }
 
-/* The blocks of activation row m from b on, one at a time (those past the last whole
- * chunk), added to the chunks' sums `total` and `offset`: the row's product. */
-AVX2 __attribute__((always_inline)) static inline float row_tail(const product_args *p,
-                                                                 const uint8_t *row,
-                                                                 const float *ws,
-                                                                 const float *wo, int64_t m,
-                                                                 int64_t b, __m256 total,
-                                                                 __m256 offset, const int bits) {
+/* One activation row's running sums against one weight row: `total`, the float32 lanes
+ * of the integer sums times the weight's and the activations' scales; `offset`, the
+ * offset terms wo · d · sum(codes). Vectors only: the library is built with
+ * -fassociative-math, and a scalar chain of sums may be reordered differently where a
+ * function is inlined for one row and for four. */
+typedef struct {
+    __m256 total, offset;
+} row_sums;
+
+typedef struct { /* activation row m's codes and scales */
+    const int8_t *c;
+    const float *d, *d_sum;
+} activations;
+
+AVX2 __attribute__((always_inline)) static inline activations activation_row(
+    const product_args *p, int64_t m) {
     const int64_t blocks = p->k / BLOCK;
-    const int8_t *c = p->x_codes + m * p->k;
-    const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
-    float rest = 0.0f;
-    for (; b < blocks; b++) {
-        const __m256 sums = _mm256_cvtepi32_ps(block_sums(row, c, b, bits));
-        total = _mm256_fmadd_ps(sums, _mm256_set1_ps(ws[b] * d[b]), total);
-        rest += wo[b] * d_sum[b];
-    }
-    return hsum256(total) + (hsum256(offset) + rest);
+    return (activations){p->x_codes + m * p->k, p->d + m * blocks, p->d_sum + m * blocks};
+}
+
+/* The 8 block sums of the chunk at b into the row's sums: one conversion, one multiply
+ * and one FMA for eight blocks. */
+AVX2 __attribute__((always_inline)) static inline void add_chunk(row_sums *r, __m256i sums,
+                                                                 const float *ws,
+                                                                 const float *wo,
+                                                                 activations a, int64_t b) {
+    const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws + b), _mm256_loadu_ps(a.d + b));
+    r->total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, r->total);
+    r->offset = _mm256_fmadd_ps(_mm256_loadu_ps(wo + b), _mm256_loadu_ps(a.d_sum + b), r->offset);
+}
+
+/* The sums of blocks b and b + 1 past the last chunk (4 lanes each) into the row's sums. */
+AVX2 __attribute__((always_inline)) static inline void add_pair(row_sums *r, __m256i sums,
+                                                                const float *ws, const float *wo,
+                                                                activations a, int64_t b) {
+    const __m256 scale =
+        _mm256_set_m128(_mm_set1_ps(ws[b + 1] * a.d[b + 1]), _mm_set1_ps(ws[b] * a.d[b]));
+    r->total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, r->total);
+    r->offset = _mm256_add_ps(r->offset, _mm256_set_m128(_mm_set_ss(wo[b + 1] * a.d_sum[b + 1]),
+                                                         _mm_set_ss(wo[b] * a.d_sum[b])));
+}
+
+/* The sums of block b alone into the row's sums. */
+AVX2 __attribute__((always_inline)) static inline void add_block(row_sums *r, __m256i sums,
+                                                                 const float *ws,
+                                                                 const float *wo,
+                                                                 activations a, int64_t b) {
+    r->total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(ws[b] * a.d[b]),
+                               r->total);
+    r->offset = _mm256_add_ps(r->offset,
+                              _mm256_set_m128(_mm_setzero_ps(), _mm_set_ss(wo[b] * a.d_sum[b])));
+}
+
+/* The row's product: total and offset added lane by lane, the lanes summed as
+ * ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). `finish_x4` sums four rows in these steps. */
+AVX2 __attribute__((always_inline)) static inline float finish(row_sums r) {
+    __m256 v = _mm256_add_ps(r.total, r.offset);
+    v = _mm256_hadd_ps(v, v);
+    v = _mm256_hadd_ps(v, v);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+
+AVX2 __attribute__((always_inline)) static inline void finish_x4(const row_sums r[4],
+                                                                 float out[4]) {
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_add_ps(r[i].total, r[i].offset);
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(out, sums);
 }
 
 /* The AVX2 form of weight row `row` (its block scales ws and offsets wo) times activation
  * row m. Each block's 32 products are summed exactly in integers, eight blocks to a
- * vector (`chunk_sums`); the vector is converted and scaled in float32 lanes by the
- * weight's scales times the activations' (one FMA for eight blocks), and the offsets'
- * terms, wo · d · sum(codes), go to a second vector of sums. The blocks past the last
- * whole chunk go one at a time. Each pair of rows is computed alone, in one order
- * whatever the batch and the thread. */
+ * vector (`chunk_sums`), converted and scaled in float32 lanes (`add_chunk`). Past the
+ * last whole chunk, 4-bit blocks go two at a time and 8-bit ones one at a time. Each pair
+ * of rows is computed alone, in one order whatever the batch and the thread. */
 AVX2 __attribute__((always_inline)) static inline float row_avx2(const product_args *p,
                                                                  const uint8_t *row,
                                                                  const float *ws,
                                                                  const float *wo, int64_t m,
                                                                  const int bits) {
     const int64_t blocks = p->k / BLOCK;
-    const int8_t *c = p->x_codes + m * p->k;
-    const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
-    __m256 total = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+    const activations a = activation_row(p, m);
+    row_sums r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t b = 0;
-    for (; b + CHUNK <= blocks; b += CHUNK) {
-        const __m256 sums = _mm256_cvtepi32_ps(chunk_sums(row, c, b, bits));
-        const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws + b), _mm256_loadu_ps(d + b));
-        total = _mm256_fmadd_ps(sums, scale, total);
-        offset = _mm256_fmadd_ps(_mm256_loadu_ps(wo + b), _mm256_loadu_ps(d_sum + b), offset);
-    }
-    return row_tail(p, row, ws, wo, m, b, total, offset, bits);
+    for (; b + CHUNK <= blocks; b += CHUNK)
+        add_chunk(&r, chunk_sums(row, a.c, b, bits), ws, wo, a, b);
+    for (; bits == 4 && b + 2 <= blocks; b += 2)
+        add_pair(&r, int4_pair_sums(int4_nibbles(row, b, b + 1), a.c + b * BLOCK), ws, wo, a, b);
+    for (; b < blocks; b++) add_block(&r, block_sums(row, a.c, b, bits), ws, wo, a, b);
+    return finish(r);
 }
 
 /* `row_avx2` of a 4-bit weight row against activation rows m to m + 3 at once: the
@@ -477,44 +555,68 @@ AVX2 __attribute__((always_inline)) static inline float row_avx2(const product_a
  * Each activation row's sums, conversions and FMAs are row_avx2's, in its order: every
  * result has the bits row_avx2 gives that row alone. */
 AVX2 static inline void int4_row_x4(const product_args *p, const uint8_t *row, const float *ws,
-                                    const float *wo, int64_t m, float *out) {
+                                    const float *wo, int64_t m, float out[4]) {
     const int64_t blocks = p->k / BLOCK;
-    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 total[4], offset[4];
-    for (int r = 0; r < 4; r++) total[r] = offset[r] = _mm256_setzero_ps();
+    activations a[4];
+    row_sums r[4];
+    for (int i = 0; i < 4; i++) {
+        a[i] = activation_row(p, m + i);
+        r[i] = (row_sums){_mm256_setzero_ps(), _mm256_setzero_ps()};
+    }
     int64_t b = 0;
     for (; b + CHUNK <= blocks; b += CHUNK) {
-        __m256i halves[2][4]; /* [slots 0-1 or 2-3][row]: hadd of the two slots' sums */
-        for (int half = 0; half < 2; half++) {
-            __m256i sums[2][4];
-            for (int s = 0; s < 2; s++) {
-                const int slot = 2 * half + s;
-                const __m256i bytes =
-                    _mm256_loadu2_m128i((const __m128i *)(row + (b + slot + 4) * (BLOCK / 2)),
-                                        (const __m128i *)(row + (b + slot) * (BLOCK / 2)));
-                const __m256i low = _mm256_and_si256(bytes, nibble);
-                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-                for (int r = 0; r < 4; r++) {
-                    const int8_t *x = p->x_codes + (m + r) * p->k + (b + 2 * slot) * BLOCK;
-                    const __m256i even =
-                        _mm256_maddubs_epi16(low, _mm256_loadu_si256((const __m256i *)x));
-                    const __m256i odd = _mm256_maddubs_epi16(
-                        high, _mm256_loadu_si256((const __m256i *)(x + BLOCK)));
-                    sums[s][r] = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
-                }
-            }
-            for (int r = 0; r < 4; r++) halves[half][r] = _mm256_hadd_epi32(sums[0][r], sums[1][r]);
+        __m256i s[4][4]; /* [row][slot] */
+        for (int slot = 0; slot < 4; slot++) {
+            const nibbles w = int4_nibbles(row, b + slot, b + slot + 4);
+            for (int i = 0; i < 4; i++)
+                s[i][slot] = int4_pair_sums(w, a[i].c + (b + 2 * slot) * BLOCK);
         }
-        for (int r = 0; r < 4; r++) {
-            const float *d = p->d + (m + r) * blocks, *d_sum = p->d_sum + (m + r) * blocks;
-            const __m256 sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(halves[0][r], halves[1][r]));
-            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws + b), _mm256_loadu_ps(d + b));
-            total[r] = _mm256_fmadd_ps(sums, scale, total[r]);
-            offset[r] =
-                _mm256_fmadd_ps(_mm256_loadu_ps(wo + b), _mm256_loadu_ps(d_sum + b), offset[r]);
-        }
+        for (int i = 0; i < 4; i++) add_chunk(&r[i], chunk_of_pairs(s[i]), ws, wo, a[i], b);
     }
-    for (int r = 0; r < 4; r++) out[r] = row_tail(p, row, ws, wo, m + r, b, total[r], offset[r], 4);
+    for (; b + 2 <= blocks; b += 2) {
+        const nibbles w = int4_nibbles(row, b, b + 1);
+        for (int i = 0; i < 4; i++)
+            add_pair(&r[i], int4_pair_sums(w, a[i].c + b * BLOCK), ws, wo, a[i], b);
+    }
+    for (; b < blocks; b++)
+        for (int i = 0; i < 4; i++)
+            add_block(&r[i], block_sums(row, a[i].c, b, 4), ws, wo, a[i], b);
+    finish_x4(r, out);
+}
+
+/* `row_avx2` of an 8-bit weight row against activation rows m to m + 3 at once: each
+ * block's codes and magnitudes are loaded once for the four; every result has the bits
+ * row_avx2 gives that row alone. */
+AVX2 static inline void int8_row_x4(const product_args *p, const uint8_t *row, const float *ws,
+                                    const float *wo, int64_t m, float out[4]) {
+    const int64_t blocks = p->k / BLOCK;
+    activations a[4];
+    row_sums r[4];
+    for (int i = 0; i < 4; i++) {
+        a[i] = activation_row(p, m + i);
+        r[i] = (row_sums){_mm256_setzero_ps(), _mm256_setzero_ps()};
+    }
+    int64_t b = 0;
+    for (; b + CHUNK <= blocks; b += CHUNK) {
+        __m128i quads[4][2]; /* [row][quad] */
+        for (int quad = 0; quad < 2; quad++) {
+            __m256i s[4][4]; /* [row][block] */
+            for (int j = 0; j < 4; j++) {
+                const int64_t block = b + 4 * quad + j;
+                const int8_block w = int8_weights(row, block);
+                for (int i = 0; i < 4; i++) s[i][j] = int8_block_sums(w, a[i].c + block * BLOCK);
+            }
+            for (int i = 0; i < 4; i++) quads[i][quad] = fold(int8_quad(s[i]));
+        }
+        for (int i = 0; i < 4; i++)
+            add_chunk(&r[i], _mm256_set_m128i(quads[i][1], quads[i][0]), ws, wo, a[i], b);
+    }
+    for (; b < blocks; b++) {
+        const int8_block w = int8_weights(row, b);
+        for (int i = 0; i < 4; i++)
+            add_block(&r[i], int8_block_sums(w, a[i].c + b * BLOCK), ws, wo, a[i], b);
+    }
+    finish_x4(r, out);
 }
 
 /* Rows [begin, end) of the weight against every activation row. With groups of more
@@ -538,8 +640,11 @@ AVX2 static inline void int4_row_x4(const product_args *p, const uint8_t *row, c
             }                                                                                   \
             const uint8_t *row = p->codes + n * (bits == 4 ? p->k / 2 : p->k);                  \
             int64_t m = 0;                                                                      \
-            for (float four[4]; bits == 4 && m + 4 <= p->m; m += 4) {                           \
-                int4_row_x4(p, row, ws, wo, m, four);                                           \
+            for (float four[4]; m + 4 <= p->m; m += 4) {                                        \
+                if (bits == 4)                                                                  \
+                    int4_row_x4(p, row, ws, wo, m, four);                                       \
+                else                                                                            \
+                    int8_row_x4(p, row, ws, wo, m, four);                                       \
                 for (int r = 0; r < 4; r++) store(p, m + r, n, p->n_rows, four[r]);             \
             }                                                                                   \
             for (; m < p->m; m++)                                                               \

@@ -255,7 +255,7 @@ def test_the_c_product_computes_the_activation_quantized_linear(
 CHUNK_CASES = [
     (bits, per_group, blocks)
     for bits, per_group in ((4, 1), (4, 2), (8, 1), (8, None))
-    for blocks in (1, 7, 8, 9, 16, 18, 23)
+    for blocks in (1, 6, 7, 8, 9, 16, 18, 20, 23)
     if per_group is None or blocks % per_group == 0
 ]
 
@@ -264,8 +264,10 @@ CHUNK_CASES = [
 @pytest.mark.parametrize(("bits", "blocks_per_group", "blocks"), CHUNK_CASES)
 def test_the_c_product_at_each_chunk_boundary(bits, blocks_per_group, blocks):
     """The AVX2 loops sum eight blocks to a vector and take the blocks past the last
-    whole chunk one at a time: K of 1 to 23 blocks, groups of one block (GGUF's), two,
-    and whole rows (per-channel int8), against the definition at float32's tolerance."""
+    whole chunk two at a time (4-bit) or one at a time: K of 1 to 23 blocks, groups of
+    one block (GGUF's), two, and whole rows (per-channel int8), against the definition
+    at float32's tolerance; a row of the five (four of them computed together) has the
+    bits it has alone."""
     g = torch.Generator().manual_seed(blocks * 10 + bits)
     columns = blocks * 32
     group = columns if blocks_per_group is None else blocks_per_group * 32
