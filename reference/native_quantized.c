@@ -92,17 +92,26 @@ static struct {
     atomic_int pending;
     task_fn fn;
     const void *args;
-    int64_t rows, align;
+    int64_t rows, align, grab; /* grab: units a thread takes at a time */
+    atomic_long next;          /* the first unit no thread has taken */
     int parts;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER};
 
-static void part_range(int part, int parts, int64_t rows, int64_t align, int64_t *begin,
-                       int64_t *end) {
-    int64_t units = (rows + align - 1) / align;
-    int64_t b = units * part / parts * align, e = units * (part + 1) / parts * align;
-    *begin = b < rows ? b : rows;
-    *end = e < rows ? e : rows;
+/* Part `part`'s share of the posted task: `grab` units at a time, until none are left.
+ * Shares follow how fast each thread runs (a core another process or the server's own
+ * threads take for a while gets less), and a unit's result is the same whoever
+ * computes it. */
+static void run_part(int part) {
+    const int64_t units = (pool.rows + pool.align - 1) / pool.align;
+    for (;;) {
+        const int64_t first = atomic_fetch_add_explicit(&pool.next, pool.grab,
+                                                        memory_order_relaxed);
+        if (first >= units) return;
+        const int64_t last = first + pool.grab < units ? first + pool.grab : units;
+        const int64_t end = last * pool.align < pool.rows ? last * pool.align : pool.rows;
+        pool.fn(pool.args, first * pool.align, end, part);
+    }
 }
 
 static double seconds(void) {
@@ -133,11 +142,7 @@ static void *worker_main(void *index_arg) {
             }
         }
         seen = atomic_load(&pool.generation);
-        if (index < pool.parts) {
-            int64_t begin, end;
-            part_range(index, pool.parts, pool.rows, pool.align, &begin, &end);
-            if (begin < end) pool.fn(pool.args, begin, end, index);
-        }
+        if (index < pool.parts) run_part(index);
         atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
     }
     return NULL;
@@ -155,8 +160,9 @@ static void wait_for_workers(void) {
     }
 }
 
-/* Runs fn over units [0, rows) in at most `threads` parts of multiples of `align`
- * units, numbered from 0, the calling thread taking part 0. The pool serves one
+/* Runs fn over units [0, rows) in at most `threads` parts, numbered from 0, the calling
+ * thread taking part 0; each part takes `align` units or a multiple at a time
+ * (`run_part`), so one part may call fn several times. The pool serves one
  * caller at a time: a second thread calling meanwhile (two engines in one process)
  * computes all its units itself as part 0, and a unit's result is the same either
  * way. native_step.c's attention runs on it too. */
@@ -193,15 +199,15 @@ void parallel_parts(task_fn fn, const void *args, int64_t rows, int64_t align, i
         fn(args, 0, rows, 0);
     } else {
         pool.fn = fn, pool.args = args, pool.rows = rows, pool.align = align;
+        pool.grab = (units + 8 * threads - 1) / (8 * threads); /* about 8 takes a thread */
         pool.parts = threads;
+        atomic_store(&pool.next, 0);
         atomic_store(&pool.pending, pool.workers);
         pthread_mutex_lock(&pool.lock);
         atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
-        int64_t begin, end;
-        part_range(0, threads, rows, align, &begin, &end);
-        fn(args, begin, end, 0);
+        run_part(0);
         wait_for_workers();
     }
     pthread_mutex_unlock(&pool.busy);
