@@ -113,11 +113,7 @@ def paged_attention(
                 [2., 3.]])
     """
     if validate:
-        lens, _ = check_attention_args(
-            q, k_cache, v_cache, block_table, seq_lens, query_start, scale
-        )
-    else:
-        lens = seq_lens.tolist()
+        check_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_start, scale)
     if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
         raise NotImplementedError(
             f"the native step's paged_attention computes float32 only, got q of {q.dtype} "
@@ -132,14 +128,15 @@ def paged_attention(
     table, lens_, starts = (_indices(t) for t in (block_table, seq_lens, query_start))
     out = torch.empty(num_tokens, num_q_heads, head_dim)
     lse = torch.empty(num_tokens, num_q_heads) if return_lse else None
-    threads = torch.get_num_threads()  # (token, head) pairs split among them
-    scratch = torch.empty(threads * (head_dim + max(lens, default=0)))  # accumulators, scores
-    library().paged_attention(
+    threads = torch.get_num_threads()  # tiles of query tokens split among them
+    failed = library().paged_attention(
         q.data_ptr(), num_q_heads * head_dim, num_q_heads, num_kv_heads, head_dim, scale,
         k_cache.data_ptr(), v_cache.data_ptr(), block_size, table.data_ptr(), table.shape[1],
-        lens_.data_ptr(), starts.data_ptr(), lens_.shape[0], scratch.data_ptr(),
+        lens_.data_ptr(), starts.data_ptr(), lens_.shape[0],
         out.data_ptr(), None if lse is None else lse.data_ptr(), threads,
     )  # fmt: skip
+    if failed:
+        raise MemoryError("the native paged_attention could not allocate its scratch")
     return (out, lse) if return_lse else out
 
 

@@ -38,7 +38,7 @@ _SIGNATURES = {
     # The stage contract's operations, which `decoder_layers` calls (native_attention.py).
     "append_kv": [_VOID_P, _I64, _VOID_P, _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _I64],
     "paged_attention": [_VOID_P, _I64, _I64, _I64, _I64, _F32, _VOID_P, _VOID_P, _I64, _VOID_P,
-                        _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _VOID_P, _I64],
+                        _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64],
     # native_quantized.c: the quantized projections (cpu_linear.py)
     "quantized_product": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P, _I64,
                           _I64, _VOID_P, _I64, _I64],
@@ -46,6 +46,7 @@ _SIGNATURES = {
     "dequantize": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P],
 }  # fmt: skip
 _RESULTS = {"quantized_product": ctypes.c_int, "decoder_layers": ctypes.c_int,
+            "paged_attention": ctypes.c_int,
             "compiler_version": ctypes.c_char_p, "quantized_isa": ctypes.c_char_p}  # fmt: skip
 
 

@@ -92,10 +92,17 @@ typedef struct {
     const int64_t *block_table;
     int64_t max_blocks;
     const int64_t *seq_lens, *query_start;
-    float *scratch; /* part p's: scratch + p · part_floats */
-    int64_t part_floats;
+    const int64_t *tile_start; /* [batch + 1]: sequence b's first tile */
+    float *scratch;            /* part p's: scratch + p · part_floats */
+    int64_t part_floats, longest;
     float *out, *lse;
 } attention_args;
+
+/* Query tokens of one sequence attended together: each key and value block is read
+ * once for the tile's tokens and the query heads of one KV head (ATTN-GQA-1), from the
+ * core's nearest cache, where one (token, head) at a time read the whole context from
+ * memory for each (a 64-token prefill chunk read it 576 times a layer). */
+#define TILE_TOKENS 8
 
 /* On x86-64 the loops below are compiled twice, for AVX2 and for any CPU, and the
  * loader picks the one this CPU runs; elsewhere once. */
@@ -105,82 +112,134 @@ typedef struct {
 #define AVX2_CLONES
 #endif
 
-/* (token, head) units [begin, end): unit u is token u / heads, head u % heads. */
-AVX2_CLONES static void attend(const void *a, int64_t begin, int64_t end, int part) {
-    const attention_args *p = a;
-    const int64_t heads = p->heads, head_dim = p->head_dim, kv_heads = p->kv_heads;
+/* Units [begin, end): unit u is tile u / kv_heads (TILE_TOKENS query tokens of one
+ * sequence, or its last ones) and KV head u % kv_heads, with its query heads. Each
+ * (token, head) of the tile is computed in the same steps, in the same order, as it
+ * would be alone: its scores position by position, their maximum, exp and sum, the
+ * weights (score / sum), then the weighted values position by position; the tile only
+ * interleaves the (token, head) pairs, block by block. Inlined for each common
+ * head_dim, whose loops the compiler then unrolls and keeps in registers. */
+__attribute__((always_inline)) static inline void attend_units(const attention_args *p,
+                                                               int64_t begin, int64_t end,
+                                                               int part, const int64_t head_dim) {
+    const int64_t heads = p->heads, kv_heads = p->kv_heads;
     const int64_t group = heads / p->kv_heads, block_size = p->block_size;
-    float *acc = p->scratch + part * p->part_floats, *scores = acc + head_dim;
+    const int64_t row = kv_heads * head_dim; /* a position's row in a cache block */
+    /* part's scratch, for the tile's (token, head) pairs: [pairs, head_dim] accumulators,
+     * maxima and sums, then [pairs, longest] scores */
+    float *acc = p->scratch + part * p->part_floats, *max = acc + TILE_TOKENS * group * head_dim;
+    float *total = max + TILE_TOKENS * group, *scores = total + TILE_TOKENS * group;
     int64_t b = 0;
     for (int64_t u = begin; u < end; u++) {
-        const int64_t t = u / heads, h = u % heads;
-        while (p->query_start[b + 1] <= t) b++; /* the sequence of token t */
+        const int64_t tile = u / kv_heads, g = u % kv_heads; /* ATTN-GQA-1 */
+        while (p->tile_start[b + 1] <= tile) b++; /* the sequence of the tile */
         const int64_t q_len = p->query_start[b + 1] - p->query_start[b];
-        const int64_t r = t - p->query_start[b];
+        const int64_t first = (tile - p->tile_start[b]) * TILE_TOKENS;
+        const int64_t tokens = q_len - first < TILE_TOKENS ? q_len - first : TILE_TOKENS;
+        const int64_t pairs = tokens * group; /* pair i: token first + i / group */
         const int64_t *blocks = p->block_table + b * p->max_blocks;
-        const int64_t context = p->seq_lens[b] - q_len + r + 1; /* ATTN-CAUSAL-1 */
-        const float *qh = p->q + t * p->q_stride + h * head_dim;
-        const int64_t g = h / group; /* ATTN-GQA-1 */
-        if (context <= 0) { /* ATTN-EMPTY-1: no keys (seq_lens[b] = 0) */
-            for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
-            if (p->lse) p->lse[t * heads + h] = -INFINITY;
-        } else {
-            /* Positions block by block (no division a position); row j of a block is
-             * `row` floats after row j - 1. */
-            const int64_t row = kv_heads * head_dim;
-            float max = -INFINITY;
-            for (int64_t start = 0, i_block = 0; start < context; start += block_size, i_block++) {
-                const float *k = p->k_cache + (blocks[i_block] * block_size * kv_heads + g) *
-                                                  head_dim;
+        /* the pairs' context lengths: ATTN-CAUSAL-1 (the tile's last token sees most) */
+        const int64_t seen = p->seq_lens[b] - q_len + first + 1;
+        const int64_t widest = seen + tokens - 1;
+        for (int64_t i = 0; i < pairs; i++) max[i] = -INFINITY, total[i] = 0.0f;
+        for (int64_t start = 0, i_block = 0; start < widest; start += block_size, i_block++) {
+            const float *k_block =
+                p->k_cache + (blocks[i_block] * block_size * kv_heads + g) * head_dim;
+            for (int64_t i = 0; i < pairs; i++) {
+                const int64_t context = seen + i / group, t = p->query_start[b] + first + i / group;
                 const int64_t n = context - start < block_size ? context - start : block_size;
+                const float *qh = p->q + t * p->q_stride + (g * group + i % group) * head_dim;
+                const float *k = k_block;
+                float *s_i = scores + i * p->longest;
                 for (int64_t j = 0; j < n; j++, k += row) {
                     float s = 0.0f;
-                    for (int64_t i = 0; i < head_dim; i++) s += qh[i] * k[i];
+                    for (int64_t d = 0; d < head_dim; d++) s += qh[d] * k[d];
                     s *= p->scale;
-                    scores[start + j] = s;
-                    if (s > max) max = s;
+                    s_i[start + j] = s;
+                    if (s > max[i]) max[i] = s;
                 }
             }
-            float total = 0.0f;
-            for (int64_t j = 0; j < context; j++) {
-                scores[j] = expf(scores[j] - max);
-                total += scores[j];
-            }
-            for (int64_t i = 0; i < head_dim; i++) acc[i] = 0.0f;
-            for (int64_t start = 0, i_block = 0; start < context; start += block_size, i_block++) {
-                const float *v = p->v_cache + (blocks[i_block] * block_size * kv_heads + g) *
-                                                  head_dim;
-                const int64_t n = context - start < block_size ? context - start : block_size;
-                for (int64_t j = 0; j < n; j++, v += row) {
-                    const float weight = scores[start + j] / total;
-                    for (int64_t i = 0; i < head_dim; i++) acc[i] += weight * v[i];
-                }
-            }
-            if (p->lse) p->lse[t * heads + h] = max + logf(total);
         }
-        memcpy(p->out + (t * heads + h) * head_dim, acc, sizeof(float) * head_dim);
+        for (int64_t i = 0; i < pairs; i++) {
+            const int64_t context = seen + i / group;
+            float *s_i = scores + i * p->longest;
+            for (int64_t j = 0; j < context; j++) {
+                s_i[j] = expf(s_i[j] - max[i]);
+                total[i] += s_i[j];
+            }
+            for (int64_t j = 0; j < context; j++) s_i[j] = s_i[j] / total[i];
+            for (int64_t d = 0; d < head_dim; d++) acc[i * head_dim + d] = 0.0f;
+        }
+        for (int64_t start = 0, i_block = 0; start < widest; start += block_size, i_block++) {
+            const float *v_block =
+                p->v_cache + (blocks[i_block] * block_size * kv_heads + g) * head_dim;
+            for (int64_t i = 0; i < pairs; i++) {
+                const int64_t context = seen + i / group;
+                const int64_t n = context - start < block_size ? context - start : block_size;
+                const float *weight = scores + i * p->longest + start, *v = v_block;
+                float sums[head_dim]; /* in registers for a constant head_dim */
+                memcpy(sums, acc + i * head_dim, sizeof(float) * head_dim);
+                for (int64_t j = 0; j < n; j++, v += row)
+                    for (int64_t d = 0; d < head_dim; d++) sums[d] += weight[j] * v[d];
+                memcpy(acc + i * head_dim, sums, sizeof(float) * head_dim);
+            }
+        }
+        for (int64_t i = 0; i < pairs; i++) {
+            const int64_t t = p->query_start[b] + first + i / group, h = g * group + i % group;
+            if (p->lse) p->lse[t * heads + h] = max[i] + logf(total[i]);
+            memcpy(p->out + (t * heads + h) * head_dim, acc + i * head_dim,
+                   sizeof(float) * head_dim);
+        }
     }
+}
+
+AVX2_CLONES static void attend(const void *a, int64_t begin, int64_t end, int part) {
+    const attention_args *p = a;
+    if (p->head_dim == 64)
+        attend_units(p, begin, end, part, 64);
+    else if (p->head_dim == 128)
+        attend_units(p, begin, end, part, 128);
+    else
+        attend_units(p, begin, end, part, p->head_dim);
 }
 
 /* ATTN-LAYOUT-1 ... ATTN-EMPTY-1 on float32: each query row of `q` (rows of
  * `heads · head_dim` floats, `q_stride` floats apart) attends causally over its
  * sequence's positions in the paged float32 caches (query_start, seq_lens,
  * block_table `[batch, max_blocks]`). Each (row, head) is computed alone, its sums
- * in one fixed order whatever the batch and however the (row, head) pairs are split
- * among `threads` (ATTN-INVARIANT-1). `scratch` holds `threads · (head_dim +
- * max(seq_lens))` floats. out: `[tokens, heads · head_dim]` float32; `lse`
- * `[tokens, heads]` float32 (ATTN-LSE-1) unless NULL. */
-void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_heads,
-                     int64_t head_dim, float scale, const float *k_cache, const float *v_cache,
-                     int64_t block_size, const int64_t *block_table, int64_t max_blocks,
-                     const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
-                     float *scratch, float *out, float *lse, int64_t threads) {
+ * in one fixed order whatever the batch, the tile and however the tiles are split
+ * among `threads` (ATTN-INVARIANT-1). out: `[tokens, heads · head_dim]` float32; `lse`
+ * `[tokens, heads]` float32 (ATTN-LSE-1) unless NULL. Returns 0, or -1 when out of
+ * memory. */
+int paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_heads,
+                    int64_t head_dim, float scale, const float *k_cache, const float *v_cache,
+                    int64_t block_size, const int64_t *block_table, int64_t max_blocks,
+                    const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
+                    float *out, float *lse, int64_t threads) {
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+    const int64_t pairs = TILE_TOKENS * (heads / kv_heads);
+    const int64_t part_floats = pairs * (head_dim + 2 + longest);
+    const int64_t parts = threads > 1 ? threads : 1;
+    int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(batch + 1));
+    float *scratch = malloc(sizeof(float) * (size_t)(parts * part_floats));
+    if (!tile_start || !scratch) {
+        free(tile_start);
+        free(scratch);
+        return -1;
+    }
+    tile_start[0] = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t q_len = query_start[b + 1] - query_start[b];
+        tile_start[b + 1] = tile_start[b] + (q_len + TILE_TOKENS - 1) / TILE_TOKENS;
+    }
     const attention_args args = {q, q_stride, heads, kv_heads, head_dim, scale, k_cache, v_cache,
                                  block_size, block_table, max_blocks, seq_lens, query_start,
-                                 scratch, head_dim + longest, out, lse};
-    parallel_parts(attend, &args, query_start[batch] * heads, 1, (int)threads);
+                                 tile_start, scratch, part_floats, longest, out, lse};
+    parallel_parts(attend, &args, tile_start[batch] * kv_heads, 1, (int)parts);
+    free(tile_start);
+    free(scratch);
+    return 0;
 }
 
 /* One layer's attention for the decode step's packed tokens (FWD-ATTN-1):
@@ -189,10 +248,9 @@ void paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv
  * every token's k and v to the float32 paged cache at `slot_mapping` (rows
  * attend to later rows' keys of their own sequence only causally, but all are
  * written first), and `paged_attention` attends. `scratch` holds
- * `tokens · (heads + 2 kv_heads) · head_dim + threads · (head_dim + max(seq_lens))`
- * floats.
- * out: `[tokens, heads · head_dim]` float32. */
-static void attention(const float *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
+ * `tokens · (heads + 2 kv_heads) · head_dim` floats.
+ * out: `[tokens, heads · head_dim]` float32. Returns 0, or -1 when out of memory. */
+static int attention(const float *qkv, int64_t qkv_stride, const float *bias, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, const float *cos, const float *sin,
                       float *k_cache, float *v_cache, int64_t block_size,
                       const int64_t *slot_mapping, const int64_t *block_table,
@@ -213,9 +271,10 @@ static void attention(const float *qkv, int64_t qkv_stride, const float *bias, i
     append_kv((const char *)(rows + k_at), stride, (const char *)(rows + v_at), stride,
               (char *)k_cache, (char *)v_cache, kv_heads * head_dim * (int64_t)sizeof(float),
               slot_mapping, tokens);
-    paged_attention(rows, width, heads, kv_heads, head_dim, 1.0f / sqrtf((float)head_dim),
-                    k_cache, v_cache, block_size, block_table, max_blocks, seq_lens,
-                    query_start, batch, rows + tokens * width, out, NULL, threads);
+    return paged_attention(rows, width, heads, kv_heads, head_dim,
+                           1.0f / sqrtf((float)head_dim), k_cache, v_cache, block_size,
+                           block_table, max_blocks, seq_lens, query_start, batch, out, NULL,
+                           threads);
 }
 
 /* native_quantized.c: QUANT-A8-1's product, y [m, n] = x [m, k] · W (float32 here). */
@@ -256,10 +315,8 @@ int decoder_layers(const int64_t *table, const int64_t *caches, int64_t layers,
     const int64_t hidden = dims[0], intermediate = dims[1], heads = dims[2],
                   kv_heads = dims[3], head_dim = dims[4];
     const int64_t width = (heads + 2 * kv_heads) * head_dim;
-    int64_t longest = 0;
-    for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
-    const int64_t floats = tokens * (2 * hidden + width + heads * head_dim + 3 * intermediate) +
-                           tokens * width + (threads > 1 ? threads : 1) * (head_dim + longest);
+    const int64_t floats =
+        tokens * (2 * hidden + width + heads * head_dim + 3 * intermediate) + tokens * width;
     float *h = malloc(sizeof(float) * (size_t)floats);
     if (!h) return -1;
     float *qkv = h + tokens * hidden, *attended = qkv + tokens * width;
@@ -272,10 +329,10 @@ int decoder_layers(const int64_t *table, const int64_t *caches, int64_t layers,
         const int64_t *w = table + l * LAYER_FIELDS;
         add_rms_norm(x, residual, hidden, (const float *)w[L_ATTN_NORM], eps, h, tokens, hidden);
         failed |= product(w + L_QKV, h, tokens, qkv, threads);
-        attention(qkv, width, (const float *)w[L_BIAS], heads, kv_heads, head_dim, cos, sin,
-                  (float *)caches[2 * l], (float *)caches[2 * l + 1], block_size, slot_mapping,
-                  block_table, max_blocks, seq_lens, query_start, batch, scratch, attended,
-                  threads);
+        failed |= attention(qkv, width, (const float *)w[L_BIAS], heads, kv_heads, head_dim,
+                            cos, sin, (float *)caches[2 * l], (float *)caches[2 * l + 1],
+                            block_size, slot_mapping, block_table, max_blocks, seq_lens,
+                            query_start, batch, scratch, attended, threads);
         failed |= product(w + L_O, attended, tokens, out, threads);
         add_rms_norm(x, out, hidden, (const float *)w[L_MLP_NORM], eps, h, tokens, hidden);
         failed |= product(w + L_GATE_UP, h, tokens, gate_up, threads);

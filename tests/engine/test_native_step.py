@@ -30,6 +30,7 @@ from decodespec.reference.engine import Engine
 from decodespec.reference.native_step import NativeStep, unsupported
 from decodespec.reference.weight_formats import convert_weights
 from decodespec.spec.append import append_kv as spec_append_kv
+from decodespec.spec.attention import paged_attention as spec_paged_attention
 from decodespec.spec.forward import PagedBatch, cached_hidden_states, rms_norm
 from decodespec.spec.params import SamplingParams
 from decodespec.spec.registry import RELATIVE
@@ -276,8 +277,9 @@ def test_the_conformance_suite_passes_its_attention_and_append():
 
 @pytest.mark.clause("ATTN-INVARIANT-1")
 def test_attention_has_the_same_bits_on_one_thread_as_on_several():
-    """The (token, head) pairs are split among the threads, each computed alone in one
-    order: the bits do not depend on the number of threads (nor on the pool being busy)."""
+    """The tiles of (token, head) pairs are split among the threads, each pair computed
+    alone in one order: the bits do not depend on the number of threads (nor on the pool
+    being busy)."""
     g = torch.Generator().manual_seed(5)
     k_cache, v_cache = torch.randn(2, 6, 4, 2, 16, generator=g)
     q = torch.randn(7, 6, 16, generator=g)
@@ -294,6 +296,37 @@ def test_attention_has_the_same_bits_on_one_thread_as_on_several():
         torch.set_num_threads(threads)
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+@pytest.mark.clause("ATTN-INVARIANT-1")
+@pytest.mark.parametrize("q_len", [1, 7, 8, 9, 20])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_a_query_token_has_its_bits_alone_in_any_tile(q_len, head_dim):
+    """Query tokens of a sequence are attended in tiles of eight, with the query heads
+    of a KV head (`TILE_TOKENS`): each token of a prompt chunk has the bits it has as a
+    one-token query over its own context (how a chunk cut elsewhere, a cached prefix or
+    a decode step computes it), GQA groups of three; head_dim 64 and 128 take loops
+    compiled for them, others the general ones."""
+    g = torch.Generator().manual_seed(q_len)
+    k_cache, v_cache = torch.randn(2, 8, 4, 2, head_dim, generator=g)
+    q = torch.randn(q_len, 6, head_dim, generator=g)
+    seq_len = q_len + 5  # five positions cached before the chunk
+    table = torch.randperm(8, generator=g)[None]
+    out, lse = native_attention.paged_attention(
+        q, k_cache, v_cache, block_table=table, seq_lens=torch.tensor([seq_len]),
+        query_start=torch.tensor([0, q_len]), return_lse=True,
+    )  # fmt: skip
+    spec_out = spec_paged_attention(q, k_cache, v_cache, block_table=table,
+                                    seq_lens=torch.tensor([seq_len]),
+                                    query_start=torch.tensor([0, q_len]))  # fmt: skip
+    torch.testing.assert_close(out, spec_out, rtol=1e-5, atol=1e-5)
+    for t in range(q_len):
+        alone, alone_lse = native_attention.paged_attention(
+            q[t : t + 1], k_cache, v_cache, block_table=table,
+            seq_lens=torch.tensor([seq_len - q_len + t + 1]), query_start=torch.tensor([0, 1]),
+            return_lse=True,
+        )  # fmt: skip
+        assert torch.equal(alone[0], out[t]) and torch.equal(alone_lse[0], lse[t]), t
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
