@@ -93,6 +93,7 @@ typedef struct {
     int64_t max_blocks;
     const int64_t *seq_lens, *query_start;
     const int64_t *tile_start; /* [batch + 1]: sequence b's first tile */
+    int64_t unit_heads;        /* query heads a unit takes: a KV head's group, or 1 */
     float *scratch;            /* part p's: scratch + p · part_floats */
     int64_t part_floats, longest;
     float *out, *lse;
@@ -112,8 +113,10 @@ typedef struct {
 #define AVX2_CLONES
 #endif
 
-/* Units [begin, end): unit u is tile u / kv_heads (TILE_TOKENS query tokens of one
- * sequence, or its last ones) and KV head u % kv_heads, with its query heads. Each
+/* Units [begin, end): unit u is tile u / (heads / unit_heads) (TILE_TOKENS query tokens
+ * of one sequence, or its last ones) and query heads from (u % (heads / unit_heads)) ·
+ * unit_heads, all of one KV head: its whole group, or one head when the tiles are too
+ * few to keep the threads busy otherwise (a decode step of one sequence). Each
  * (token, head) of the tile is computed in the same steps, in the same order, as it
  * would be alone: its scores position by position, their maximum, exp and sum, the
  * weights (score / sum), then the weighted values position by position; the tile only
@@ -122,8 +125,8 @@ typedef struct {
 __attribute__((always_inline)) static inline void attend_units(const attention_args *p,
                                                                int64_t begin, int64_t end,
                                                                int part, const int64_t head_dim) {
-    const int64_t heads = p->heads, kv_heads = p->kv_heads;
-    const int64_t group = heads / p->kv_heads, block_size = p->block_size;
+    const int64_t heads = p->heads, kv_heads = p->kv_heads, unit_heads = p->unit_heads;
+    const int64_t group = heads / kv_heads, block_size = p->block_size;
     const int64_t row = kv_heads * head_dim; /* a position's row in a cache block */
     /* part's scratch, for the tile's (token, head) pairs: [pairs, head_dim] accumulators,
      * maxima and sums, then [pairs, longest] scores */
@@ -131,12 +134,14 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
     float *total = max + TILE_TOKENS * group, *scores = total + TILE_TOKENS * group;
     int64_t b = 0;
     for (int64_t u = begin; u < end; u++) {
-        const int64_t tile = u / kv_heads, g = u % kv_heads; /* ATTN-GQA-1 */
+        const int64_t tile = u / (heads / unit_heads);
+        const int64_t h0 = u % (heads / unit_heads) * unit_heads;
+        const int64_t g = h0 / group; /* ATTN-GQA-1 */
         while (p->tile_start[b + 1] <= tile) b++; /* the sequence of the tile */
         const int64_t q_len = p->query_start[b + 1] - p->query_start[b];
         const int64_t first = (tile - p->tile_start[b]) * TILE_TOKENS;
         const int64_t tokens = q_len - first < TILE_TOKENS ? q_len - first : TILE_TOKENS;
-        const int64_t pairs = tokens * group; /* pair i: token first + i / group */
+        const int64_t pairs = tokens * unit_heads; /* i: token first + i / unit_heads */
         const int64_t *blocks = p->block_table + b * p->max_blocks;
         /* the pairs' context lengths: ATTN-CAUSAL-1 (the tile's last token sees most) */
         const int64_t seen = p->seq_lens[b] - q_len + first + 1;
@@ -146,9 +151,10 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
             const float *k_block =
                 p->k_cache + (blocks[i_block] * block_size * kv_heads + g) * head_dim;
             for (int64_t i = 0; i < pairs; i++) {
-                const int64_t context = seen + i / group, t = p->query_start[b] + first + i / group;
+                const int64_t context = seen + i / unit_heads;
+                const int64_t t = p->query_start[b] + first + i / unit_heads;
                 const int64_t n = context - start < block_size ? context - start : block_size;
-                const float *qh = p->q + t * p->q_stride + (g * group + i % group) * head_dim;
+                const float *qh = p->q + t * p->q_stride + (h0 + i % unit_heads) * head_dim;
                 const float *k = k_block;
                 float *s_i = scores + i * p->longest;
                 for (int64_t j = 0; j < n; j++, k += row) {
@@ -161,7 +167,7 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
             }
         }
         for (int64_t i = 0; i < pairs; i++) {
-            const int64_t context = seen + i / group;
+            const int64_t context = seen + i / unit_heads;
             float *s_i = scores + i * p->longest;
             for (int64_t j = 0; j < context; j++) {
                 s_i[j] = expf(s_i[j] - max[i]);
@@ -174,7 +180,7 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
             const float *v_block =
                 p->v_cache + (blocks[i_block] * block_size * kv_heads + g) * head_dim;
             for (int64_t i = 0; i < pairs; i++) {
-                const int64_t context = seen + i / group;
+                const int64_t context = seen + i / unit_heads;
                 const int64_t n = context - start < block_size ? context - start : block_size;
                 const float *weight = scores + i * p->longest + start, *v = v_block;
                 float sums[head_dim]; /* in registers for a constant head_dim */
@@ -185,7 +191,7 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
             }
         }
         for (int64_t i = 0; i < pairs; i++) {
-            const int64_t t = p->query_start[b] + first + i / group, h = g * group + i % group;
+            const int64_t t = p->query_start[b] + first + i / unit_heads, h = h0 + i % unit_heads;
             if (p->lse) p->lse[t * heads + h] = max[i] + logf(total[i]);
             memcpy(p->out + (t * heads + h) * head_dim, acc + i * head_dim,
                    sizeof(float) * head_dim);
@@ -233,10 +239,12 @@ int paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_
         const int64_t q_len = query_start[b + 1] - query_start[b];
         tile_start[b + 1] = tile_start[b] + (q_len + TILE_TOKENS - 1) / TILE_TOKENS;
     }
+    /* a KV head's group a unit, unless that leaves fewer than four units a thread */
+    const int64_t unit_heads = tile_start[batch] * kv_heads >= 4 * parts ? heads / kv_heads : 1;
     const attention_args args = {q, q_stride, heads, kv_heads, head_dim, scale, k_cache, v_cache,
                                  block_size, block_table, max_blocks, seq_lens, query_start,
-                                 tile_start, scratch, part_floats, longest, out, lse};
-    parallel_parts(attend, &args, tile_start[batch] * kv_heads, 1, (int)parts);
+                                 tile_start, unit_heads, scratch, part_floats, longest, out, lse};
+    parallel_parts(attend, &args, tile_start[batch] * (heads / unit_heads), 1, (int)parts);
     free(tile_start);
     free(scratch);
     return 0;

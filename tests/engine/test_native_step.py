@@ -299,19 +299,20 @@ def test_attention_has_the_same_bits_on_one_thread_as_on_several():
 
 
 @pytest.mark.clause("ATTN-INVARIANT-1")
-@pytest.mark.parametrize("q_len", [1, 7, 8, 9, 20])
+@pytest.mark.parametrize("q_len", [1, 7, 8, 9, 20, 40])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_a_query_token_has_its_bits_alone_in_any_tile(q_len, head_dim):
     """Query tokens of a sequence are attended in tiles of eight, with the query heads
     of a KV head (`TILE_TOKENS`): each token of a prompt chunk has the bits it has as a
     one-token query over its own context (how a chunk cut elsewhere, a cached prefix or
     a decode step computes it), GQA groups of three; head_dim 64 and 128 take loops
-    compiled for them, others the general ones."""
+    compiled for them, others the general ones. A unit takes a KV head's three query
+    heads when there are enough units for the threads (40 tokens), one head otherwise."""
     g = torch.Generator().manual_seed(q_len)
-    k_cache, v_cache = torch.randn(2, 8, 4, 2, head_dim, generator=g)
+    k_cache, v_cache = torch.randn(2, 16, 4, 2, head_dim, generator=g)
     q = torch.randn(q_len, 6, head_dim, generator=g)
     seq_len = q_len + 5  # five positions cached before the chunk
-    table = torch.randperm(8, generator=g)[None]
+    table = torch.randperm(16, generator=g)[None]
     out, lse = native_attention.paged_attention(
         q, k_cache, v_cache, block_table=table, seq_lens=torch.tensor([seq_len]),
         query_start=torch.tensor([0, q_len]), return_lse=True,
