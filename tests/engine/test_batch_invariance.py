@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodespec.reference import cpu_linear
+from decodespec.reference import cpu_linear, native_attention
 from decodespec.reference.batch_invariance import (
     ROW_BLOCK,
     ROW_STEP,
@@ -254,21 +254,27 @@ def test_a_prompt_after_its_cached_prefix_has_the_bits_of_the_cache_off(models, 
         assert bits(again) == bits(run(plain, [prompt], params=params)[0]), length
 
 
-def test_rows_alone_is_the_specs_attention_and_a_rows_bits_are_its_own():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_rows_alone_is_the_specs_attention_and_a_rows_bits_are_its_own(dtype):
     """`rows_alone` against `spec.attention.paged_attention`: the same values (float64
     tolerance) and log-sum-exp; and each row, computed in a pass of 1, 3 or 7 rows of its
-    sequence, has the same bits."""
+    sequence, has the same bits. float32 on the CPU takes the native C attention,
+    float64 the spec's a row at a time."""
     from decodespec.spec.attention import paged_attention
 
     g = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(6, 4, 2, 8, generator=g) for _ in range(2))
+    k_cache, v_cache = (torch.randn(6, 4, 2, 8, generator=g, dtype=dtype) for _ in range(2))
     table = torch.tensor([[5, 2, 0, 3], [1, 4, 0, 0]])
-    q = torch.randn(10, 6, 8, generator=g)
+    q = torch.randn(10, 6, 8, generator=g, dtype=dtype)
     lens, starts = torch.tensor([15, 3]), torch.tensor([0, 7, 10])
     out, lse = rows_alone(q, k_cache, v_cache, table, lens, starts, return_lse=True)
     want, want_lse = paged_attention(q.double(), k_cache.double(), v_cache.double(), table, lens,
                                      starts, return_lse=True)  # fmt: skip
-    assert torch.allclose(out.double(), want, atol=1e-5) and torch.allclose(lse, want_lse.float())
+    assert torch.allclose(out.double(), want, atol=1e-5)
+    assert torch.allclose(lse.double(), want_lse, rtol=1e-5, atol=1e-6)
+    if dtype == torch.float32:  # the C attention's own bits
+        native = native_attention.paged_attention(q, k_cache, v_cache, table, lens, starts)
+        assert torch.equal(out, native)
     for rows in (1, 3, 7):  # the last `rows` query rows of sequence 0 alone
         part = rows_alone(q[7 - rows : 7], k_cache, v_cache, table[:1], lens[:1],
                           torch.tensor([0, rows]))  # fmt: skip
