@@ -180,11 +180,9 @@ def rows_alone(
     spec's attention a row at a time. Elsewhere, or where the C library cannot
     be built, the spec's attention a row at a time."""
     if validate:
-        lens, starts = attention.check_attention_args(
+        attention.check_attention_args(
             q, k_cache, v_cache, block_table, seq_lens, query_start, scale
         )
-    else:
-        lens, starts = seq_lens.tolist(), query_start.tolist()
     on_cpu = all(t.device.type == "cpu" for t in (q, k_cache, v_cache))
     if on_cpu and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32:
         try:
@@ -194,6 +192,7 @@ def rows_alone(
             )  # fmt: skip
         except NativeUnavailable:
             pass  # the spec's attention below: the same rows' bits, slower
+    lens, starts = seq_lens.tolist(), query_start.tolist()
     sequence_of_row, length_of_row = [], []
     for b, seq_len in enumerate(lens):
         q_len = starts[b + 1] - starts[b]
@@ -214,7 +213,7 @@ def rows_alone(
 
 
 def batch_invariant_backend(backend: Backend) -> Backend:
-    """`backend` with the spec's per-sequence attention and KV append, its sampling
+    """`backend` with `rows_alone`'s attention and the spec's KV append, its sampling
     stages on one thread, no native step, and quantized projections on the CPU kernels
     or the spec's definition, never the Triton `quantized_linear` (a GEMV below 8 rows
     and a GEMM from 8: a row's bits would depend on its batch)."""

@@ -556,6 +556,16 @@ AVX2 __attribute__((always_inline)) static inline float row_avx2(const product_a
     return finish(r);
 }
 
+/* Activation rows m to m + 3 and their empty sums, for the 4-row forms below. */
+AVX2 __attribute__((always_inline)) static inline void start_x4(const product_args *p, int64_t m,
+                                                                activations a[4],
+                                                                row_sums r[4]) {
+    for (int i = 0; i < 4; i++) {
+        a[i] = activation_row(p, m + i);
+        r[i] = (row_sums){_mm256_setzero_ps(), _mm256_setzero_ps()};
+    }
+}
+
 /* `row_avx2` of a 4-bit weight row against activation rows m to m + 3 at once: the
  * row's nibbles are loaded and unpacked once for the four (the work a batch shares).
  * Each activation row's sums, conversions and FMAs are row_avx2's, in its order: every
@@ -565,10 +575,7 @@ AVX2 static inline void int4_row_x4(const product_args *p, const uint8_t *row, c
     const int64_t blocks = p->k / BLOCK;
     activations a[4];
     row_sums r[4];
-    for (int i = 0; i < 4; i++) {
-        a[i] = activation_row(p, m + i);
-        r[i] = (row_sums){_mm256_setzero_ps(), _mm256_setzero_ps()};
-    }
+    start_x4(p, m, a, r);
     int64_t b = 0;
     for (; b + CHUNK <= blocks; b += CHUNK) {
         __m256i s[4][4]; /* [row][slot] */
@@ -598,10 +605,7 @@ AVX2 static inline void int8_row_x4(const product_args *p, const uint8_t *row, c
     const int64_t blocks = p->k / BLOCK;
     activations a[4];
     row_sums r[4];
-    for (int i = 0; i < 4; i++) {
-        a[i] = activation_row(p, m + i);
-        r[i] = (row_sums){_mm256_setzero_ps(), _mm256_setzero_ps()};
-    }
+    start_x4(p, m, a, r);
     int64_t b = 0;
     for (; b + CHUNK <= blocks; b += CHUNK) {
         __m128i quads[4][2]; /* [row][quad] */
