@@ -13,8 +13,9 @@ every backend:
 - every projection, the output one included, multiplies a multiple of
   `ROW_STEP` rows when it has fewer than `ROW_BLOCK`: the rest are zero rows,
   whose outputs are dropped (`RowBlockLinear`); a quantized one multiplies at
-  most `ROW_BLOCK` rows a call, so that its rows never take the GEMM of long
-  passes (`cpu_linear`). A row's bits then depend on the
+  most `ROW_BLOCK` rows a call, the row counts the tests check (the C product's
+  rows are their own at any count; PyTorch's weight-only kernels, where the C
+  library cannot be had, are another matter). A row's bits then depend on the
   row alone — measured on PyTorch 2.13's CPU GEMM for M = 1 … 2,048 and the
   model's shapes, and checked by `tests/engine/test_batch_invariance.py` on the
   machine that runs it;
@@ -52,7 +53,6 @@ from decodespec.spec.forward import ModelWeights, Weight
 
 from . import native_attention
 from .backend import SPEC_BACKEND, Backend
-from .cpu_linear import GEMM_FROM_ROWS
 from .native_library import NativeUnavailable
 
 # A projection multiplies its rows as they are from ROW_BLOCK rows up; fewer are
@@ -60,7 +60,6 @@ from .native_library import NativeUnavailable
 # 1, 2, 3, 5, 6, 9 or 10 rows do not, and padding all to 16 costs 16x at batch 1).
 ROW_BLOCK = 16
 ROW_STEP = 4
-assert ROW_BLOCK < GEMM_FROM_ROWS, "quantized blocks stay on the CPU kernels"
 T = TypeVar("T")
 
 
@@ -99,9 +98,8 @@ class RowBlockLinear:
         if isinstance(self.unwrapped, Tensor):
             return x @ self.unwrapped.T
         if x.shape[0] > ROW_BLOCK:
-            # A quantized projection multiplies a pass of `GEMM_FROM_ROWS` rows or more
-            # by a GEMM (`cpu_linear`): a long pass goes to it `ROW_BLOCK` rows at a
-            # time, each block's rows in the bits they have in any block.
+            # A long pass goes to a quantized kernel `ROW_BLOCK` rows at a time, each
+            # block's rows in the bits they have in any block.
             return torch.cat([self.linear(block) for block in x.split(ROW_BLOCK)])
         return self.unwrapped.linear(x)
 

@@ -7,13 +7,11 @@ object that has the same `shape`, `bits`, `group_size`, `linear`,
 Where the C library can be had (`native_library`) that product is
 `ActivationQuantizedLinear`: QUANT-A8-1, the activation-quantized linear GGUF
 engines compute, in C (`native_quantized.c`): the activations quantized to
-int8 in blocks of 32, integer dot products with the codes in the spec's own
-layout. A pass of `GEMM_FROM_ROWS` tokens or more (a prefill chunk) computes
-the same function as a float32 GEMM: the weights dequantized in C into a
-scratch buffer the next projection reuses, times the activations as their
-int8 codes restore them. Both agree with `spec.quant.activation_quantized_linear`
-within float32's tolerance, and a row's product does not depend on the other
-rows of its pass below `GEMM_FROM_ROWS`.
+int8 in blocks of 32, integer dot products with the codes (4-bit weights in
+tiles of eight rows packed at load, 8-bit ones in the spec's own layout). It
+agrees with `spec.quant.activation_quantized_linear` within float32's
+tolerance, at every number of tokens, and a row's product does not depend on
+the other rows of its pass.
 
 Where it cannot (no compiler, `DECODESPEC_NATIVE=0`), PyTorch's CPU
 weight-only kernels:
@@ -38,7 +36,6 @@ scales, zeros and inputs, within QUANT-TOL-1's bfloat16 tolerance
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import fields, replace
 
 import numpy as np
@@ -56,13 +53,6 @@ KERNEL_DTYPE = torch.bfloat16
 ROW_PACK = 16  # the int4 kernel's rows per packed tile
 INT8_COLUMNS = 16  # the int8 kernel's columns per step
 ACTIVATION_BLOCK = 32  # QUANT-A8-1's activations per scale
-# Passes of this many tokens or more: the float32 GEMM, whose cost grows more slowly
-# with the tokens than the integer product's (which is linear in them). SmolLM2-135M's
-# projections, 30 layers each, 2 cores (AVX2; results/quantized-product-cpu.json): at
-# 64 tokens the product is faster for every shape (gate/up 177 against 200 ms), at
-# 128 the GEMM (330 against 381 ms). The default token budget's chunks (64) stay on
-# the product.
-GEMM_FROM_ROWS = 128
 # byte -> its two 4-bit codes as two int32, low nibble first (QUANT-CODES-1's order),
 # held as one int64 so that a lookup copies one machine word
 _NIBBLE_PAIRS = np.array([[b & 0x0F, b >> 4] for b in range(256)], dtype=np.int32).view(np.int64)
@@ -205,17 +195,6 @@ class CpuInt8Linear:
         return self
 
 
-_SCRATCH = threading.local()  # each thread's float32 buffer for dequantized weights
-
-
-def _scratch(numel: int) -> Tensor:
-    """A float32 buffer of `numel` elements, this thread's, reused by the next call."""
-    buffer = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _SCRATCH.buffer = torch.empty(numel)
-    return buffer[:numel]
-
-
 def takes_activation_quantized(weight: QuantizedWeight) -> bool:
     """Whether QUANT-A8-1 applies: `in_features` and the groups multiples of 32."""
     return weight.shape[1] % ACTIVATION_BLOCK == 0 and weight.group_size % ACTIVATION_BLOCK == 0
@@ -225,9 +204,10 @@ class ActivationQuantizedLinear:
     """A group-quantized projection multiplied by QUANT-A8-1 in C (`native_quantized.c`).
 
     `linear(x)`: `x` `[M, K]` float32 or bfloat16 (other floating dtypes through
-    float32), the result `[M, N]` in `x`'s dtype; `M` below `GEMM_FROM_ROWS` by the
-    integer product, from it by the float32 GEMM. Both are
-    `spec.quant.activation_quantized_linear` within float32's tolerance.
+    float32), the result `[M, N]` in `x`'s dtype: `spec.quant.activation_quantized_linear`
+    within float32's tolerance, each row in the bits it has alone. A 4-bit weight is
+    held in the C product's tiles (`pack_int4_tiles`: its codes, scales and offsets,
+    eight rows interleaved block by block), an 8-bit one in the spec's layout.
 
     Example:
         >>> from decodespec.spec.quant import quantize_weight
@@ -243,32 +223,28 @@ class ActivationQuantizedLinear:
                 f"got {weight.shape[1]} and {weight.group_size}"
             )
         self.lib = lib
-        self.quantized = QuantizedWeight(
-            weight.qweight.contiguous(),
-            weight.scales.float().contiguous(),
-            weight.offsets.float().contiguous(),
-            weight.group_size,
-            weight.bits,
-        )
         self.shape = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
-        w = self.quantized  # the weight's arguments of every call (native_step's too)
-        self.arguments = (w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
-                        w.bits, *self.shape, w.group_size)  # fmt: skip
+        codes = weight.qweight.contiguous()
+        scales, offsets = weight.scales.float().contiguous(), weight.offsets.float().contiguous()
+        if weight.bits == 4:
+            self.held = torch.empty(lib.int4_tiles_bytes(*self.shape), dtype=torch.uint8)
+            lib.pack_int4_tiles(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                *self.shape, weight.group_size, self.held.data_ptr())  # fmt: skip
+            held = (self.held.data_ptr(), 0, 0)  # the scales and offsets are in the tiles
+        else:
+            self.held = QuantizedWeight(codes, scales, offsets, weight.group_size, weight.bits)
+            held = (codes.data_ptr(), scales.data_ptr(), offsets.data_ptr())
+        # the weight's arguments of every call (native_step's too)
+        self.arguments = (*held, self.bits, *self.shape, self.group_size)
 
     @property
     def nbytes(self) -> int:
-        return self.quantized.nbytes
+        return self.held.nbytes
 
     def linear(self, x: Tensor) -> Tensor:
-        if x.shape[0] >= GEMM_FROM_ROWS:
-            return self.gemm(x)
         if x.dtype not in (torch.float32, KERNEL_DTYPE):
-            return self.product(x.float()).to(x.dtype)
-        return self.product(x)
-
-    def product(self, x: Tensor) -> Tensor:
-        """QUANT-A8-1 by integer dot products: float32 or bfloat16 `x`, `y` the same."""
+            return self.linear(x.float()).to(x.dtype)
         x = x.contiguous()
         y = torch.empty(x.shape[0], self.shape[0], dtype=x.dtype)
         bf16, threads = x.dtype == KERNEL_DTYPE, torch.get_num_threads()
@@ -279,23 +255,12 @@ class ActivationQuantizedLinear:
             raise MemoryError("no memory for the activations' int8 codes")
         return y
 
-    def gemm(self, x: Tensor) -> Tensor:
-        """QUANT-A8-1 as a float32 GEMM: the weights dequantized into this thread's
-        scratch buffer, times `x` as its int8 codes restore it (`d · c`)."""
-        w, rows, columns = self.quantized, *self.shape
-        dense = _scratch(rows * columns).view(rows, columns)
-        self.lib.dequantize(w.qweight.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(),
-                            w.bits, rows, columns, w.group_size, dense.data_ptr())  # fmt: skip
-        activations = x.float().contiguous()
-        codes = torch.empty(activations.shape, dtype=torch.int8)
-        scales = torch.empty(activations.shape[0], columns // ACTIVATION_BLOCK)
-        self.lib.quantize_activations(activations.data_ptr(), activations.shape[0], columns,
-                                      codes.data_ptr(), scales.data_ptr())  # fmt: skip
-        restored = codes.float() * scales.repeat_interleave(ACTIVATION_BLOCK, dim=1)
-        return (restored @ dense.T).to(x.dtype)
-
     def dequantize(self) -> Tensor:
-        return self.quantized.dequantize()
+        if self.bits == 8:
+            return self.held.dequantize()
+        dense = torch.empty(self.shape)
+        self.lib.dequantize_int4_tiles(self.held.data_ptr(), *self.shape, dense.data_ptr())
+        return dense
 
     def to(self, device: torch.device | str) -> ActivationQuantizedLinear:
         if torch.device(device).type != "cpu":
@@ -395,10 +360,7 @@ def products(weights: ModelWeights) -> str:
             kernel = value.shared.kernel if isinstance(value, SharedInputMember) else value
             if isinstance(kernel, ActivationQuantizedLinear):
                 isa = kernel.lib.quantized_isa().decode()
-                kinds.add(
-                    f"int8 activations (QUANT-A8-1, C {isa}; "
-                    f"a float32 GEMM from {GEMM_FROM_ROWS} tokens)"
-                )
+                kinds.add(f"int8 activations (QUANT-A8-1, C {isa})")
             elif isinstance(kernel, (CpuInt4Linear, CpuInt8Linear)):
                 kinds.add("bfloat16 activations (PyTorch's int4/int8 kernels)")
     return "; ".join(sorted(kinds))

@@ -43,10 +43,12 @@ _SIGNATURES = {
     "quantized_product": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P, _I64,
                           _I64, _VOID_P, _I64, _I64],
     "quantize_activations": [_VOID_P, _I64, _I64, _VOID_P, _VOID_P],
-    "dequantize": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P],
+    "int4_tiles_bytes": [_I64, _I64],
+    "pack_int4_tiles": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _VOID_P],
+    "dequantize_int4_tiles": [_VOID_P, _I64, _I64, _VOID_P],
 }  # fmt: skip
 _RESULTS = {"quantized_product": ctypes.c_int, "decoder_layers": ctypes.c_int,
-            "paged_attention": ctypes.c_int,
+            "paged_attention": ctypes.c_int, "int4_tiles_bytes": ctypes.c_int64,
             "compiler_version": ctypes.c_char_p, "quantized_isa": ctypes.c_char_p}  # fmt: skip
 
 

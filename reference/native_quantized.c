@@ -4,18 +4,19 @@
  * engines compute: each row of x quantized to int8 in blocks of 32 (absmax / 127,
  * round half to even), integer dot products with the weights' codes, then the
  * block's scales. A 4-bit weight row is read once per token at half a byte a
- * weight, and 64 products (two blocks) cost two `maddubs` and one `madd` (AVX2)
- * instead of eight conversions and eight float FMAs: on a 2-core AVX2 machine a
- * decode step's projections take well under half of PyTorch's kernels' time
- * (tests/benchmarks/quantized_product.py). With several tokens, a weight row's codes
- * are loaded and unpacked once for four activation rows (`int4_row_x4`, `int8_row_x4`),
- * and the four rows' sums are reduced together (`finish_x4`). Each (weight row, activation row)
- * sum runs in one order, block after block, whatever the number of rows and
- * however the rows are split among threads: a row's result never depends on its
- * batch.
+ * weight, and its products cost `maddubs` and `madd` (AVX2) instead of conversions
+ * and float FMAs.
  *
- * `dequantize` writes group-quantized weights as float32 (QUANT-GROUP-1, bit for
- * bit `spec.quant.dequantize_weight`), for the float32 GEMM of long passes.
+ * 4-bit weights are multiplied in tiles of eight rows (`pack_int4_tiles`, from the
+ * spec's layout at load): each of a vector's eight lanes is one weight row, so a
+ * block's sums need no horizontal additions and its scales are one vector, and a
+ * tile's codes are unpacked once for four activation rows. 8-bit weights stay in
+ * the spec's layout, their sums gathered eight blocks to a vector, a row's codes
+ * loaded once for four activation rows (`int8_row_x4`). Each (weight row,
+ * activation row) sum runs in one order, block after block, whatever the number of
+ * rows and however the work is split among threads: a row's result never depends on
+ * its batch. On a 2-core AVX2 machine the product takes well under half of
+ * PyTorch's kernels' time (tests/benchmarks/quantized_product.py).
  *
  * The spec's layout (QUANT-CODES-1): int4 codes uint8 [N, K/2], element k in byte
  * k/2, low nibble for even k; int8 codes int8 [N, K]; float32 scales and offsets
@@ -215,9 +216,9 @@ void parallel_parts(task_fn fn, const void *args, int64_t rows, int64_t align, i
 
 /* ---------------------------------------------------------------- QUANT-A8-1 */
 
-/* Blocks per float step of the AVX2 loops: the integer sums of eight blocks are gathered
- * into one vector (`chunk_sums`), block by block in its lanes, so that eight blocks cost
- * one conversion, one multiply and one FMA. The last K/32 % 8 blocks go one at a time. */
+/* Blocks per float step of the 8-bit AVX2 loops: the integer sums of eight blocks are
+ * gathered into one vector, block by block in its lanes, so that eight blocks cost one
+ * conversion, one multiply and one FMA. The last K/32 % 8 blocks go one at a time. */
 #define CHUNK 8
 
 /* One block of 32 values quantized (QUANT-A8-1): codes in element order, returning
@@ -277,17 +278,11 @@ __attribute__((target("avx2,fma"))) static float quantize_block_avx2(const float
 }
 #endif
 
-/* Row m of x (float32, or bfloat16 when x_bf16) quantized: codes [K], the block scales
- * d [K/32] and d * sum(codes). The codes are in element order, or with `paired` in the
- * order the AVX2 4-bit loop reads them. There each chunk of eight blocks is four pairs,
- * blocks (0, 4), (1, 5), (2, 6), (3, 7): a pair is its first block's even elements, its
- * second's even elements, then the first's odd and the second's odd ones, so that a
- * byte's low nibbles meet the even elements and its high nibbles the odd ones, two blocks
- * at a time. Past the last whole chunk, consecutive blocks pair up in the same way, and
- * a last block left alone is its even elements, then its odd ones. */
-static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, int paired,
-                         int8_t *codes, float *d, float *d_sum) {
-    const int64_t blocks = k / BLOCK, in_chunks = blocks - blocks % CHUNK;
+/* Row m of x (float32, or bfloat16 when x_bf16) quantized: codes [K] in element order,
+ * the block scales d [K/32] and d * sum(codes). */
+static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, int8_t *codes,
+                         float *d, float *d_sum) {
+    const int64_t blocks = k / BLOCK;
     const int avx2 = has_avx2();
     for (int64_t b = 0; b < blocks; b++) {
         float widened[BLOCK];
@@ -297,37 +292,94 @@ static void quantize_row(const void *x, int64_t x_bf16, int64_t m, int64_t k, in
                 widened[j] = bf16_to_float(((const uint16_t *)x)[m * k + b * BLOCK + j]);
             v = widened;
         }
-        int8_t block[BLOCK];
         int sum;
 #if defined(__x86_64__)
-        const float scale = avx2 ? quantize_block_avx2(v, block, &sum)
-                                 : quantize_block(v, block, &sum);
+        const float scale = avx2 ? quantize_block_avx2(v, codes + b * BLOCK, &sum)
+                                 : quantize_block(v, codes + b * BLOCK, &sum);
 #else
-        const float scale = quantize_block(v, block, &sum);
+        const float scale = quantize_block(v, codes + b * BLOCK, &sum);
         (void)avx2;
 #endif
-        /* the pair holding block b: its first block, and which of the two b is */
-        int64_t pair = -1, half = 0;
-        if (b < in_chunks)
-            pair = b - b % CHUNK + 2 * (b % (CHUNK / 2)), half = b % CHUNK / 4;
-        else if ((b - in_chunks) % 2 == 1 || b + 1 < blocks)
-            pair = b - (b - in_chunks) % 2, half = (b - in_chunks) % 2;
-        if (!paired)
-            memcpy(codes + b * BLOCK, block, BLOCK);
-        else if (pair >= 0)
-            for (int j = 0; j < BLOCK; j++)
-                codes[pair * BLOCK + (j % 2) * BLOCK + half * (BLOCK / 2) + j / 2] = block[j];
-        else
-            for (int j = 0; j < BLOCK; j++)
-                codes[b * BLOCK + (j % 2) * (BLOCK / 2) + j / 2] = block[j];
         d[b] = scale;
         d_sum[b] = scale * (float)sum;
     }
 }
 
+/* ---------------------------------------------------------------- 4-bit tiles */
+
+/* The layout 4-bit weights are multiplied in (`pack_int4_tiles` writes it from the
+ * spec's): rows in tiles of TILE_ROWS, the last one padded with zero rows, each tile
+ * block after block. A tile's block is TILE_BLOCK_BYTES: four quarters of 32 bytes of
+ * codes, then the eight rows' scales and their offsets (float32; a group of several
+ * blocks repeats its own in each). In quarter q, byte 4r + i holds row r's element
+ * 4q + i in its low nibble and its element 16 + 4q + i in its high one. One `maddubs`
+ * then multiplies four elements of each of the eight rows by the same four activation
+ * codes, broadcast: each row's sums stay in its own lane, with no horizontal sums, and a
+ * block's scales are one vector for the eight rows. */
+#define TILE_ROWS 8
+#define TILE_CODES (4 * 32)
+#define TILE_BLOCK_BYTES (TILE_CODES + 2 * TILE_ROWS * (int64_t)sizeof(float))
+
+/* The bytes of the tiles of an [n, k] weight. */
+int64_t int4_tiles_bytes(int64_t n, int64_t k) {
+    return (n + TILE_ROWS - 1) / TILE_ROWS * (k / BLOCK) * TILE_BLOCK_BYTES;
+}
+
+/* The tiles of the 4-bit weight in the spec's layout (QUANT-CODES-1: codes uint8 [n, k/2],
+ * scales and offsets float32 [n, k/group]); k and group multiples of 32. */
+void pack_int4_tiles(const uint8_t *codes, const float *scales, const float *offsets, int64_t n,
+                     int64_t k, int64_t group, uint8_t *tiles) {
+    const int64_t blocks = k / BLOCK, groups = k / group, tile_count = (n + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t t = 0; t < tile_count; t++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *block = tiles + (t * blocks + b) * TILE_BLOCK_BYTES;
+            float *ws = (float *)(block + TILE_CODES), *wo = ws + TILE_ROWS;
+            for (int r = 0; r < TILE_ROWS; r++) {
+                const int64_t row = t * TILE_ROWS + r;
+                const uint8_t *src = codes + row * (k / 2) + b * (BLOCK / 2);
+                for (int q = 0; q < 4; q++)
+                    for (int i = 0; i < 4; i++) {
+                        const int low = 4 * q + i, high = 16 + 4 * q + i; /* elements */
+                        block[32 * q + 4 * r + i] =
+                            row < n ? (uint8_t)(((src[low / 2] >> (4 * (low % 2))) & 15) |
+                                                (((src[high / 2] >> (4 * (high % 2))) & 15) << 4))
+                                    : 0;
+                    }
+                ws[r] = row < n ? scales[row * groups + b * BLOCK / group] : 0.0f;
+                wo[r] = row < n ? offsets[row * groups + b * BLOCK / group] : 0.0f;
+            }
+        }
+}
+
+/* Row n's code of element e of block b in the tiles; its scale and offset. */
+static inline int tile_code(const uint8_t *block, int64_t r, int e) {
+    const uint8_t byte = block[32 * (e % 16 / 4) + 4 * r + e % 4];
+    return e < 16 ? byte & 15 : byte >> 4;
+}
+
+/* w [n, k] float32 = the tiles' weights dequantized (QUANT-GROUP-1: s · q + o, two
+ * roundings), bit for bit `spec.quant.dequantize_weight` of the weight they were packed
+ * from. */
+void dequantize_int4_tiles(const uint8_t *tiles, int64_t n, int64_t k, float *w) {
+    const int64_t blocks = k / BLOCK;
+    for (int64_t row = 0; row < n; row++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *block =
+                tiles + (row / TILE_ROWS * blocks + b) * TILE_BLOCK_BYTES;
+            const float *ws = (const float *)(block + TILE_CODES), *wo = ws + TILE_ROWS;
+            const int64_t r = row % TILE_ROWS;
+            for (int e = 0; e < BLOCK; e++) {
+                const float s = ws[r] * (float)tile_code(block, r, e);
+                w[row * k + b * BLOCK + e] = s + wo[r];
+            }
+        }
+}
+
+/* ---------------------------------------------------------------- the product */
+
 typedef struct {
-    const uint8_t *codes;
-    const float *scales, *offsets;
+    const uint8_t *codes; /* 4-bit: the tiles; 8-bit: the spec's codes [N, K] */
+    const float *scales, *offsets; /* 8-bit: [N, K/group] */
     int64_t bits, k, group, m;
     const int8_t *x_codes; /* [M, K] */
     const float *d, *d_sum; /* [M, K/32] */
@@ -342,27 +394,135 @@ static inline void store(const product_args *p, int64_t m, int64_t n, int64_t ro
         ((float *)p->y)[m * rows + n] = v;
 }
 
-/* The scalar form (x codes in element order). */
-static float dot_scalar(const product_args *p, int64_t n, int64_t m) {
+/* A 4-bit weight row n times activation row m, block after block: the block's integer sum
+ * s, then t = fma(s, ws · d, t) and t = fma(wo, d · sum(codes), t), one rounding each.
+ * `int4_tile_avx2` computes these very steps in each of its lanes: the same bits. */
+static float int4_dot_scalar(const product_args *p, int64_t n, int64_t m) {
+    const int64_t blocks = p->k / BLOCK, r = n % TILE_ROWS;
+    const int8_t *c = p->x_codes + m * p->k;
+    float total = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = p->codes + (n / TILE_ROWS * blocks + b) * TILE_BLOCK_BYTES;
+        const float *ws = (const float *)(block + TILE_CODES), *wo = ws + TILE_ROWS;
+        int sum = 0;
+        for (int e = 0; e < BLOCK; e++) sum += tile_code(block, r, e) * c[b * BLOCK + e];
+        total = fmaf((float)sum, ws[r] * p->d[m * blocks + b], total);
+        total = fmaf(wo[r], p->d_sum[m * blocks + b], total);
+    }
+    return total;
+}
+
+/* The scalar form of an 8-bit weight (x codes in element order). */
+static float int8_dot_scalar(const product_args *p, int64_t n, int64_t m) {
     const int64_t blocks = p->k / BLOCK, groups = p->k / p->group;
     const int8_t *c = p->x_codes + m * p->k;
     float total = 0.0f, offset = 0.0f;
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t g = b * BLOCK / p->group;
         int sum = 0;
-        for (int64_t e = b * BLOCK; e < (b + 1) * BLOCK; e++) {
-            const int q = p->bits == 4 ? (p->codes[n * (p->k / 2) + e / 2] >> (4 * (e % 2))) & 15
-                                       : ((const int8_t *)p->codes)[n * p->k + e];
-            sum += q * c[e];
-        }
+        for (int64_t e = b * BLOCK; e < (b + 1) * BLOCK; e++)
+            sum += ((const int8_t *)p->codes)[n * p->k + e] * c[e];
         total += p->scales[n * groups + g] * p->d[m * blocks + b] * (float)sum;
         offset += p->offsets[n * groups + g] * p->d_sum[m * blocks + b];
     }
     return total + offset;
 }
 
+/* Units [begin, end) of the product: 4-bit tiles, or 8-bit rows. */
+static void product_scalar(const void *a, int64_t begin, int64_t end, int part) {
+    const product_args *p = a;
+    (void)part;
+    for (int64_t u = begin; u < end; u++) {
+        if (p->bits == 8) {
+            for (int64_t m = 0; m < p->m; m++) store(p, m, u, p->n_rows, int8_dot_scalar(p, u, m));
+            continue;
+        }
+        for (int64_t n = u * TILE_ROWS; n < (u + 1) * TILE_ROWS && n < p->n_rows; n++)
+            for (int64_t m = 0; m < p->m; m++) store(p, m, n, p->n_rows, int4_dot_scalar(p, n, m));
+    }
+}
+
 #if defined(__x86_64__)
 #define AVX2 __attribute__((target("avx2,fma")))
+
+typedef struct { /* activation row m's codes and scales */
+    const int8_t *c;
+    const float *d, *d_sum;
+} activations;
+
+AVX2 __attribute__((always_inline)) static inline activations activation_row(
+    const product_args *p, int64_t m) {
+    const int64_t blocks = p->k / BLOCK;
+    return (activations){p->x_codes + m * p->k, p->d + m * blocks, p->d_sum + m * blocks};
+}
+
+/* Tile t against activation rows m to m + rows - 1 (1 to 4): a quarter's codes are loaded
+ * and unpacked once for the rows. A block's 8 `maddubs` per row add up in int16 (|sum| <=
+ * 8 · 2 · 15 · 127 < 2^15), widened by one `madd`; then each lane takes the steps of
+ * `int4_dot_scalar` for its weight row. A lane's result never depends on the rows beside
+ * it: the same bits in any batch, on any thread. */
+AVX2 __attribute__((always_inline)) static inline void int4_tile_avx2(const product_args *p,
+                                                                      int64_t t, int64_t m,
+                                                                      const int rows) {
+    const int64_t blocks = p->k / BLOCK;
+    const uint8_t *tile = p->codes + t * blocks * TILE_BLOCK_BYTES;
+    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    activations a[4];
+    __m256 total[4];
+    for (int i = 0; i < rows; i++) a[i] = activation_row(p, m + i), total[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = tile + b * TILE_BLOCK_BYTES;
+        __m256i sums[4];
+        for (int i = 0; i < rows; i++) sums[i] = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * q));
+            const __m256i low = _mm256_and_si256(bytes, nibble);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+            for (int i = 0; i < rows; i++) {
+                int32_t x_low, x_high; /* elements 4q .. 4q + 3 and 16 + 4q .. 19 + 4q */
+                memcpy(&x_low, a[i].c + b * BLOCK + 4 * q, 4);
+                memcpy(&x_high, a[i].c + b * BLOCK + 16 + 4 * q, 4);
+                sums[i] = _mm256_add_epi16(
+                    sums[i], _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(x_low)),
+                                              _mm256_maddubs_epi16(high, _mm256_set1_epi32(x_high))));
+                /* here, not later: GCC would otherwise compute the block's 32 products first
+                 * and add them as a tree, with more registers than AVX2 has */
+                __asm__("" : "+x"(sums[i]));
+            }
+        }
+        const __m256 ws = _mm256_loadu_ps((const float *)(block + TILE_CODES));
+        const __m256 wo = _mm256_loadu_ps((const float *)(block + TILE_CODES) + TILE_ROWS);
+        for (int i = 0; i < rows; i++) {
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
+            total[i] = _mm256_fmadd_ps(s, _mm256_mul_ps(ws, _mm256_set1_ps(a[i].d[b])), total[i]);
+            total[i] = _mm256_fmadd_ps(wo, _mm256_set1_ps(a[i].d_sum[b]), total[i]);
+        }
+    }
+    const int64_t first = t * TILE_ROWS;
+    for (int i = 0; i < rows; i++) {
+        if (!p->y_bf16 && first + TILE_ROWS <= p->n_rows) {
+            _mm256_storeu_ps((float *)p->y + (m + i) * p->n_rows + first, total[i]);
+            continue;
+        }
+        float lanes[TILE_ROWS];
+        _mm256_storeu_ps(lanes, total[i]);
+        for (int r = 0; r < TILE_ROWS && first + r < p->n_rows; r++)
+            store(p, m + i, first + r, p->n_rows, lanes[r]);
+    }
+}
+
+/* Tiles [begin, end) against every activation row, four at a time. */
+AVX2 static void int4_tiles_avx2(const void *a, int64_t begin, int64_t end, int part) {
+    const product_args *p = a;
+    (void)part;
+    for (int64_t t = begin; t < end; t++) {
+        int64_t m = 0;
+        for (; m + 4 <= p->m; m += 4) int4_tile_avx2(p, t, m, 4);
+        if (p->m - m == 3) int4_tile_avx2(p, t, m, 3);
+        if (p->m - m == 2) int4_tile_avx2(p, t, m, 2);
+        if (p->m - m == 1) int4_tile_avx2(p, t, m, 1);
+    }
+}
 
 /* An 8-bit weight block (32 codes) and its magnitudes: a batch loads them once for all
  * its rows. */
@@ -385,50 +545,6 @@ AVX2 __attribute__((always_inline)) static inline __m256i int8_block_sums(int8_b
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* Block b alone: 8 int32 lanes of its sums. A 4-bit block's activation codes are its
- * even elements, then its odd ones (the last block of an odd tail); an 8-bit block is
- * in element order. */
-AVX2 __attribute__((always_inline)) static inline __m256i block_sums(const uint8_t *row,
-                                                                      const int8_t *c, int64_t b,
-                                                                      const int bits) {
-    if (bits == 8) return int8_block_sums(int8_weights(row, b), c + b * BLOCK);
-    const __m256i x = _mm256_loadu_si256((const __m256i *)(c + b * BLOCK));
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * (BLOCK / 2)));
-    const __m256i codes =
-        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1));
-}
-
-/* Two 4-bit weight blocks' 32 bytes of codes, `first`'s in the low 128 bits and
- * `second`'s in the high ones, unpacked: the low nibbles (the even elements) and the
- * high ones (the odd elements). A batch unpacks them once for all its rows. */
-typedef struct {
-    __m256i even, odd;
-} nibbles;
-
-AVX2 __attribute__((always_inline)) static inline nibbles int4_nibbles(const uint8_t *row,
-                                                                        int64_t first,
-                                                                        int64_t second) {
-    const __m256i nibble = _mm256_set1_epi8(15);
-    const __m256i bytes = _mm256_loadu2_m128i((const __m128i *)(row + second * (BLOCK / 2)),
-                                              (const __m128i *)(row + first * (BLOCK / 2)));
-    return (nibbles){_mm256_and_si256(bytes, nibble),
-                     _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)};
-}
-
-/* A pair of 4-bit blocks against its 64 activation codes x in quantize_row's pair
- * layout: the low nibbles times the two blocks' even elements and the high nibbles times
- * their odd ones (one `maddubs` each), added in int16 (|sum| <= 4 · 15 · 127 < 2^15) and
- * widened by one `madd`: 8 int32, the first block's sums in the low 4 lanes and the
- * second's in the high 4. */
-AVX2 __attribute__((always_inline)) static inline __m256i int4_pair_sums(nibbles w,
-                                                                          const int8_t *x) {
-    const __m256i even = _mm256_maddubs_epi16(w.even, _mm256_loadu_si256((const __m256i *)x));
-    const __m256i odd =
-        _mm256_maddubs_epi16(w.odd, _mm256_loadu_si256((const __m256i *)(x + BLOCK)));
-    return _mm256_madd_epi16(_mm256_add_epi16(even, odd), _mm256_set1_epi16(1));
-}
-
 /* Four 8-bit blocks' sums, lane j + 4h the sum of block j's half h. */
 AVX2 __attribute__((always_inline)) static inline __m256i int8_quad(const __m256i s[4]) {
     return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
@@ -438,33 +554,8 @@ AVX2 __attribute__((always_inline)) static inline __m128i fold(__m256i v) {
     return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
 }
 
-/* The four pairs' sums of a 4-bit chunk, slot s holding blocks s and s + 4, folded by
- * integer additions (exact): each block's whole sum in lane s and s + 4. */
-AVX2 __attribute__((always_inline)) static inline __m256i chunk_of_pairs(const __m256i s[4]) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-}
-
-/* Blocks b to b + 7: each block's whole sum in lane b + j. */
-AVX2 __attribute__((always_inline)) static inline __m256i chunk_sums(const uint8_t *row,
-                                                                      const int8_t *c, int64_t b,
-                                                                      const int bits) {
-    __m256i s[4];
-    if (bits == 8) {
-        __m128i quads[2];
-        for (int quad = 0; quad < 2; quad++) {
-            for (int j = 0; j < 4; j++) s[j] = block_sums(row, c, b + 4 * quad + j, 8);
-            quads[quad] = fold(int8_quad(s));
-        }
-        return _mm256_set_m128i(quads[1], quads[0]);
-    }
-    for (int slot = 0; slot < 4; slot++)
-        s[slot] = int4_pair_sums(int4_nibbles(row, b + slot, b + slot + 4),
-                                 c + (b + 2 * slot) * BLOCK);
-    return chunk_of_pairs(s);
-}
-
-/* One activation row's running sums against one weight row: `total`, the float32 lanes
- * of the integer sums times the weight's and the activations' scales; `offset`, the
+/* One activation row's running sums against one 8-bit weight row: `total`, the float32
+ * lanes of the integer sums times the weight's and the activations' scales; `offset`, the
  * offset terms wo · d · sum(codes). Vectors only: the library is built with
  * -fassociative-math, and a scalar chain of sums may be reordered differently where a
  * function is inlined for one row and for four. */
@@ -472,19 +563,8 @@ typedef struct {
     __m256 total, offset;
 } row_sums;
 
-typedef struct { /* activation row m's codes and scales */
-    const int8_t *c;
-    const float *d, *d_sum;
-} activations;
-
-AVX2 __attribute__((always_inline)) static inline activations activation_row(
-    const product_args *p, int64_t m) {
-    const int64_t blocks = p->k / BLOCK;
-    return (activations){p->x_codes + m * p->k, p->d + m * blocks, p->d_sum + m * blocks};
-}
-
-/* The 8 block sums of the chunk at b into the row's sums: one conversion, one multiply
- * and one FMA for eight blocks. */
+/* The 8 block sums of the chunk at b (blocks b to b + 7, one to a lane) into the row's
+ * sums: one conversion, one multiply and one FMA for eight blocks. */
 AVX2 __attribute__((always_inline)) static inline void add_chunk(row_sums *r, __m256i sums,
                                                                  const float *ws,
                                                                  const float *wo,
@@ -492,17 +572,6 @@ AVX2 __attribute__((always_inline)) static inline void add_chunk(row_sums *r, __
     const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(ws + b), _mm256_loadu_ps(a.d + b));
     r->total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, r->total);
     r->offset = _mm256_fmadd_ps(_mm256_loadu_ps(wo + b), _mm256_loadu_ps(a.d_sum + b), r->offset);
-}
-
-/* The sums of blocks b and b + 1 past the last chunk (4 lanes each) into the row's sums. */
-AVX2 __attribute__((always_inline)) static inline void add_pair(row_sums *r, __m256i sums,
-                                                                const float *ws, const float *wo,
-                                                                activations a, int64_t b) {
-    const __m256 scale =
-        _mm256_set_m128(_mm_set1_ps(ws[b + 1] * a.d[b + 1]), _mm_set1_ps(ws[b] * a.d[b]));
-    r->total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, r->total);
-    r->offset = _mm256_add_ps(r->offset, _mm256_set_m128(_mm_set_ss(wo[b + 1] * a.d_sum[b + 1]),
-                                                         _mm_set_ss(wo[b] * a.d_sum[b])));
 }
 
 /* The sums of block b alone into the row's sums. */
@@ -534,78 +603,49 @@ AVX2 __attribute__((always_inline)) static inline void finish_x4(const row_sums 
     _mm_storeu_ps(out, sums);
 }
 
-/* The AVX2 form of weight row `row` (its block scales ws and offsets wo) times activation
- * row m. Each block's 32 products are summed exactly in integers, eight blocks to a
- * vector (`chunk_sums`), converted and scaled in float32 lanes (`add_chunk`). Past the
- * last whole chunk, 4-bit blocks go two at a time and 8-bit ones one at a time. Each pair
- * of rows is computed alone, in one order whatever the batch and the thread. */
-AVX2 __attribute__((always_inline)) static inline float row_avx2(const product_args *p,
-                                                                 const uint8_t *row,
-                                                                 const float *ws,
-                                                                 const float *wo, int64_t m,
-                                                                 const int bits) {
+/* The AVX2 form of 8-bit weight row `row` (its block scales ws and offsets wo) times
+ * activation row m. Each block's 32 products are summed exactly in integers, eight blocks
+ * to a vector, converted and scaled in float32 lanes (`add_chunk`); the blocks past the
+ * last whole chunk one at a time. Each pair of rows is computed alone, in one order
+ * whatever the batch and the thread. */
+AVX2 __attribute__((always_inline)) static inline float int8_row_avx2(const product_args *p,
+                                                                      const uint8_t *row,
+                                                                      const float *ws,
+                                                                      const float *wo,
+                                                                      int64_t m) {
     const int64_t blocks = p->k / BLOCK;
     const activations a = activation_row(p, m);
     row_sums r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t b = 0;
-    for (; b + CHUNK <= blocks; b += CHUNK)
-        add_chunk(&r, chunk_sums(row, a.c, b, bits), ws, wo, a, b);
-    for (; bits == 4 && b + 2 <= blocks; b += 2)
-        add_pair(&r, int4_pair_sums(int4_nibbles(row, b, b + 1), a.c + b * BLOCK), ws, wo, a, b);
-    for (; b < blocks; b++) add_block(&r, block_sums(row, a.c, b, bits), ws, wo, a, b);
+    for (; b + CHUNK <= blocks; b += CHUNK) {
+        __m128i quads[2];
+        for (int quad = 0; quad < 2; quad++) {
+            __m256i s[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t block = b + 4 * quad + j;
+                s[j] = int8_block_sums(int8_weights(row, block), a.c + block * BLOCK);
+            }
+            quads[quad] = fold(int8_quad(s));
+        }
+        add_chunk(&r, _mm256_set_m128i(quads[1], quads[0]), ws, wo, a, b);
+    }
+    for (; b < blocks; b++)
+        add_block(&r, int8_block_sums(int8_weights(row, b), a.c + b * BLOCK), ws, wo, a, b);
     return finish(r);
 }
 
-/* Activation rows m to m + 3 and their empty sums, for the 4-row forms below. */
-AVX2 __attribute__((always_inline)) static inline void start_x4(const product_args *p, int64_t m,
-                                                                activations a[4],
-                                                                row_sums r[4]) {
-    for (int i = 0; i < 4; i++) {
-        a[i] = activation_row(p, m + i);
-        r[i] = (row_sums){_mm256_setzero_ps(), _mm256_setzero_ps()};
-    }
-}
-
-/* `row_avx2` of a 4-bit weight row against activation rows m to m + 3 at once: the
- * row's nibbles are loaded and unpacked once for the four (the work a batch shares).
- * Each activation row's sums, conversions and FMAs are row_avx2's, in its order: every
- * result has the bits row_avx2 gives that row alone. */
-AVX2 static inline void int4_row_x4(const product_args *p, const uint8_t *row, const float *ws,
-                                    const float *wo, int64_t m, float out[4]) {
-    const int64_t blocks = p->k / BLOCK;
-    activations a[4];
-    row_sums r[4];
-    start_x4(p, m, a, r);
-    int64_t b = 0;
-    for (; b + CHUNK <= blocks; b += CHUNK) {
-        __m256i s[4][4]; /* [row][slot] */
-        for (int slot = 0; slot < 4; slot++) {
-            const nibbles w = int4_nibbles(row, b + slot, b + slot + 4);
-            for (int i = 0; i < 4; i++)
-                s[i][slot] = int4_pair_sums(w, a[i].c + (b + 2 * slot) * BLOCK);
-        }
-        for (int i = 0; i < 4; i++) add_chunk(&r[i], chunk_of_pairs(s[i]), ws, wo, a[i], b);
-    }
-    for (; b + 2 <= blocks; b += 2) {
-        const nibbles w = int4_nibbles(row, b, b + 1);
-        for (int i = 0; i < 4; i++)
-            add_pair(&r[i], int4_pair_sums(w, a[i].c + b * BLOCK), ws, wo, a[i], b);
-    }
-    for (; b < blocks; b++)
-        for (int i = 0; i < 4; i++)
-            add_block(&r[i], block_sums(row, a[i].c, b, 4), ws, wo, a[i], b);
-    finish_x4(r, out);
-}
-
-/* `row_avx2` of an 8-bit weight row against activation rows m to m + 3 at once: each
- * block's codes and magnitudes are loaded once for the four; every result has the bits
- * row_avx2 gives that row alone. */
+/* `int8_row_avx2` against activation rows m to m + 3 at once: each block's codes and
+ * magnitudes are loaded once for the four; every result has the bits int8_row_avx2 gives
+ * that row alone. */
 AVX2 static inline void int8_row_x4(const product_args *p, const uint8_t *row, const float *ws,
                                     const float *wo, int64_t m, float out[4]) {
     const int64_t blocks = p->k / BLOCK;
     activations a[4];
     row_sums r[4];
-    start_x4(p, m, a, r);
+    for (int i = 0; i < 4; i++) {
+        a[i] = activation_row(p, m + i);
+        r[i] = (row_sums){_mm256_setzero_ps(), _mm256_setzero_ps()};
+    }
     int64_t b = 0;
     for (; b + CHUNK <= blocks; b += CHUNK) {
         __m128i quads[4][2]; /* [row][quad] */
@@ -629,52 +669,40 @@ AVX2 static inline void int8_row_x4(const product_args *p, const uint8_t *row, c
     finish_x4(r, out);
 }
 
-/* Rows [begin, end) of the weight against every activation row. With groups of more
- * than one block, a weight row's scales and offsets are first laid out per block, once
- * for all activation rows. */
-#define ROWS_AVX2(name, bits)                                                                   \
-    AVX2 static void name(const void *a, int64_t begin, int64_t end, int part) {                \
-        const product_args *p = a;                                                              \
-        (void)part;                                                                             \
-        const int64_t blocks = p->k / BLOCK, groups = p->k / p->group;                          \
-        const int64_t per_group = p->group / BLOCK;                                             \
-        const int64_t laid_out = per_group == 1 ? 1 : blocks;                                   \
-        float block_scales[laid_out], block_offsets[laid_out];                                  \
-        for (int64_t n = begin; n < end; n++) {                                                 \
-            const float *ws = p->scales + n * groups, *wo = p->offsets + n * groups;            \
-            if (per_group != 1) {                                                               \
-                for (int64_t g = 0, b = 0; g < groups; g++)                                     \
-                    for (int64_t j = 0; j < per_group; j++, b++)                                \
-                        block_scales[b] = ws[g], block_offsets[b] = wo[g];                      \
-                ws = block_scales, wo = block_offsets;                                          \
-            }                                                                                   \
-            const uint8_t *row = p->codes + n * (bits == 4 ? p->k / 2 : p->k);                  \
-            int64_t m = 0;                                                                      \
-            for (float four[4]; m + 4 <= p->m; m += 4) {                                        \
-                if (bits == 4)                                                                  \
-                    int4_row_x4(p, row, ws, wo, m, four);                                       \
-                else                                                                            \
-                    int8_row_x4(p, row, ws, wo, m, four);                                       \
-                for (int r = 0; r < 4; r++) store(p, m + r, n, p->n_rows, four[r]);             \
-            }                                                                                   \
-            for (; m < p->m; m++)                                                               \
-                store(p, m, n, p->n_rows, row_avx2(p, row, ws, wo, m, bits));                   \
-        }                                                                                       \
-    }
-ROWS_AVX2(int4_rows_avx2, 4)
-ROWS_AVX2(int8_rows_avx2, 8)
-#endif
-
-static void product_rows(const void *a, int64_t begin, int64_t end, int part) {
+/* 8-bit rows [begin, end) of the weight against every activation row. With groups of
+ * more than one block, a weight row's scales and offsets are first laid out per block,
+ * once for all activation rows. */
+AVX2 static void int8_rows_avx2(const void *a, int64_t begin, int64_t end, int part) {
     const product_args *p = a;
     (void)part;
-    for (int64_t n = begin; n < end; n++)
-        for (int64_t m = 0; m < p->m; m++) store(p, m, n, p->n_rows, dot_scalar(p, n, m));
+    const int64_t blocks = p->k / BLOCK, groups = p->k / p->group;
+    const int64_t per_group = p->group / BLOCK;
+    const int64_t laid_out = per_group == 1 ? 1 : blocks;
+    float block_scales[laid_out], block_offsets[laid_out];
+    for (int64_t n = begin; n < end; n++) {
+        const float *ws = p->scales + n * groups, *wo = p->offsets + n * groups;
+        if (per_group != 1) {
+            for (int64_t g = 0, b = 0; g < groups; g++)
+                for (int64_t j = 0; j < per_group; j++, b++)
+                    block_scales[b] = ws[g], block_offsets[b] = wo[g];
+            ws = block_scales, wo = block_offsets;
+        }
+        const uint8_t *row = p->codes + n * p->k;
+        int64_t m = 0;
+        for (float four[4]; m + 4 <= p->m; m += 4) {
+            int8_row_x4(p, row, ws, wo, m, four);
+            for (int r = 0; r < 4; r++) store(p, m + r, n, p->n_rows, four[r]);
+        }
+        for (; m < p->m; m++) store(p, m, n, p->n_rows, int8_row_avx2(p, row, ws, wo, m));
+    }
 }
+#endif
 
 /* y [M, N] = QUANT-A8-1's product of x [M, K] (contiguous float32, or bfloat16 when
- * x_bf16) and the quantized weight; y contiguous float32, or bfloat16 when y_bf16.
- * K and the group size multiples of 32. Returns 0, or -1 when out of memory. */
+ * x_bf16) and the quantized weight: 4-bit, `codes` its tiles (`pack_int4_tiles`; scales
+ * and offsets are in them, the two pointers unused); 8-bit, the spec's layout. y
+ * contiguous float32, or bfloat16 when y_bf16. K and the group size multiples of 32.
+ * Returns 0, or -1 when out of memory. */
 int quantized_product(const uint8_t *codes, const float *scales, const float *offsets,
                       int64_t bits, int64_t n, int64_t k, int64_t group, const void *x,
                       int64_t x_bf16, int64_t m, void *y, int64_t y_bf16, int64_t threads) {
@@ -684,84 +712,26 @@ int quantized_product(const uint8_t *codes, const float *scales, const float *of
     float *d = (float *)scratch, *d_sum = d + m * blocks;
     int8_t *x_codes = (int8_t *)(d_sum + m * blocks);
     for (int64_t r = 0; r < m; r++)
-        quantize_row(x, x_bf16, r, k, bits == 4 && has_avx2(), x_codes + r * k, d + r * blocks,
-                     d_sum + r * blocks);
+        quantize_row(x, x_bf16, r, k, x_codes + r * k, d + r * blocks, d_sum + r * blocks);
     product_args args = {codes, scales, offsets, bits, k, group, m, x_codes, d, d_sum, y, y_bf16,
                          n};
-    task_fn rows = product_rows;
+    task_fn units = product_scalar;
 #if defined(__x86_64__)
-    if (has_avx2()) rows = bits == 4 ? int4_rows_avx2 : int8_rows_avx2;
+    if (has_avx2()) units = bits == 4 ? int4_tiles_avx2 : int8_rows_avx2;
 #endif
-    parallel_parts(rows, &args, n, 16, (int)threads);
+    if (bits == 4)
+        parallel_parts(units, &args, (n + TILE_ROWS - 1) / TILE_ROWS, 1, (int)threads);
+    else
+        parallel_parts(units, &args, n, 16, (int)threads);
     free(scratch);
     return 0;
 }
 
 /* QUANT-A8-1's activation codes [M, K] (in element order) and scales [M, K/32] of
- * float32 x, for the GEMM of long passes. */
+ * float32 x: the product's own, for the tests to hold against the spec's. */
 void quantize_activations(const float *x, int64_t m, int64_t k, int8_t *codes, float *d) {
     float *d_sum = malloc(sizeof(float) * (size_t)(k / BLOCK));
     for (int64_t r = 0; r < m; r++)
-        quantize_row(x, 0, r, k, 0, codes + r * k, d + r * (k / BLOCK), d_sum);
+        quantize_row(x, 0, r, k, codes + r * k, d + r * (k / BLOCK), d_sum);
     free(d_sum);
-}
-
-/* ---------------------------------------------------------------- dequantize */
-
-static void dequantize_scalar(const uint8_t *codes, const float *scales, const float *offsets,
-                              int64_t bits, int64_t n, int64_t k, int64_t group, float *w) {
-    const int64_t groups = k / group;
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t e = 0; e < k; e++) {
-            const float s = scales[r * groups + e / group], o = offsets[r * groups + e / group];
-            const float q = bits == 4 ? (float)((codes[r * (k / 2) + e / 2] >> (4 * (e & 1))) & 15)
-                                      : (float)((const int8_t *)codes)[r * k + e];
-            w[r * k + e] = s * q + o;
-        }
-}
-
-#if defined(__x86_64__)
-/* groups a multiple of 16: 16 codes (8 bytes int4, 16 bytes int8) to 16 floats at a time */
-__attribute__((target("avx2,fma"))) static void dequantize_avx2(
-    const uint8_t *codes, const float *scales, const float *offsets, int64_t bits, int64_t n,
-    int64_t k, int64_t group, float *w) {
-    const int64_t groups = k / group;
-    const __m128i nibble = _mm_set1_epi8(15);
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            const __m256 s = _mm256_set1_ps(scales[r * groups + g]);
-            const __m256 o = _mm256_set1_ps(offsets[r * groups + g]);
-            for (int64_t e = g * group; e < (g + 1) * group; e += 16) {
-                __m128i q; /* 16 codes as bytes, in element order */
-                if (bits == 4) {
-                    __m128i bytes = _mm_loadl_epi64((const __m128i *)(codes + r * (k / 2) + e / 2));
-                    __m128i lo = _mm_and_si128(bytes, nibble);
-                    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-                    q = _mm_unpacklo_epi8(lo, hi);
-                } else {
-                    q = _mm_loadu_si128((const __m128i *)(codes + r * k + e));
-                }
-                __m256i q0 = bits == 4 ? _mm256_cvtepu8_epi32(q) : _mm256_cvtepi8_epi32(q);
-                __m128i upper = _mm_srli_si128(q, 8);
-                __m256i q1 = bits == 4 ? _mm256_cvtepu8_epi32(upper) : _mm256_cvtepi8_epi32(upper);
-                /* s * q + o as two roundings, not a fused one: the spec's bits */
-                __m256 w0 = _mm256_add_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(q0)), o);
-                __m256 w1 = _mm256_add_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(q1)), o);
-                _mm256_storeu_ps(w + r * k + e, w0);
-                _mm256_storeu_ps(w + r * k + e + 8, w1);
-            }
-        }
-}
-#endif
-
-/* w [N, K] float32 = dequantize(W) for `bits` 4 or 8 in the spec's layout. */
-void dequantize(const uint8_t *codes, const float *scales, const float *offsets, int64_t bits,
-                int64_t n, int64_t k, int64_t group, float *w) {
-#if defined(__x86_64__)
-    if (group % 16 == 0 && has_avx2()) {
-        dequantize_avx2(codes, scales, offsets, bits, n, k, group, w);
-        return;
-    }
-#endif
-    dequantize_scalar(codes, scales, offsets, bits, n, k, group, w);
 }

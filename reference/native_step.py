@@ -31,8 +31,8 @@ can move an activation's int8 code, which the tests allow for
 It takes a model whose every projection is on the C product, with Q/K/V and
 gate/up each stacked as one (`cpu_linear.pack_for_cpu` makes both for the
 int8 and int4 formats), and passes of up to `MAX_TOKENS` tokens: decode
-steps and speculative verification. Longer passes (prefill) stay on the
-batched PyTorch path, whose attention uses both cores.
+steps, speculative verification and prompts (in chunks of the token budget,
+or whole). A longer pass takes the batched PyTorch path.
 
 `attention`'s KV append and attention are the C functions `append_kv` and
 `paged_attention`, which `native_attention.py` exposes as the stage
@@ -67,10 +67,10 @@ from . import native_library
 from .cpu_linear import ActivationQuantizedLinear, SharedInputMember
 from .native_library import NativeUnavailable, describe, library
 
-# Longer passes run the batched PyTorch path, which takes the float32 GEMM from 128 rows
-# (SmolLM2-135M int4, 2 cores, one sequence after 100 cached positions, best of 3:
-# 96 tokens 615 ms native, 666 batched; 128 tokens 816 and 934; 160 tokens 1040 and 997).
-MAX_TOKENS = 128
+# Longer passes run the batched PyTorch path. The step's own buffers take about 33 KB a
+# token on SmolLM2-135M (135 MB at this bound). A prompt in one pass on it, int4, 2 cores:
+# 500 tokens 1.2 s against 2.0 s batched, 2,000 tokens 8.7-9.2 s against 19.9-20.5 s.
+MAX_TOKENS = 4096
 
 
 def status(weights: ModelWeights | None = None) -> str:

@@ -10,11 +10,8 @@ caches; one layer's do), and for the output projection, the milliseconds of:
 - `pytorch`: `cpu_linear.CpuInt4Linear` / `CpuInt8Linear`, PyTorch's CPU
   weight-only kernels (bfloat16 activations), the torch backend's path
   without the C library;
-- `c`: `cpu_linear.ActivationQuantizedLinear`, QUANT-A8-1 in C
-  (`native_quantized.c`) as `linear` routes it: the integer product below
-  `GEMM_FROM_ROWS` tokens, the float32 GEMM on dequantized weights from it;
-- from 16 tokens, both of its routes (`product`, `gemm`), which is where
-  `GEMM_FROM_ROWS` comes from.
+- `c`: `cpu_linear.ActivationQuantizedLinear`, QUANT-A8-1's integer product in C
+  (`native_quantized.c`), and its multiply-accumulates per second (`c_gmacs`),
 
 at 1, 4, 16, 32, 64 and 128 tokens. Rounds interleave them; the best round counts.
 Run it on a quiet machine, with `OMP_WAIT_POLICY=PASSIVE` (as the `decodespec`
@@ -71,18 +68,16 @@ def measure(threads: int, rounds: int) -> list[dict]:
             x = torch.randn(tokens, k)
             calls = max(1, 16 // tokens)
             routes = {"pytorch": theirs.linear, "c": ours.linear}
-            if tokens >= 16:
-                routes |= {"c_product": ours.product, "c_gemm": ours.gemm}
             times = {route: [] for route in routes}
             for _ in range(rounds):
                 for route, product in routes.items():
                     times[route].append(best_ms(product, x, calls))
             row = {"shape": name, "bits": bits, "rows": n, "in_features": k, "tokens": tokens,
-                   "route": "gemm" if tokens >= cpu_linear.GEMM_FROM_ROWS else "integer product",
                    **{f"{route}_ms": min(values) for route, values in times.items()}}  # fmt: skip
+            row["c_gmacs"] = n * k * tokens / row["c_ms"] / 1e6
             row["speedup"] = row["pytorch_ms"] / row["c_ms"]
             summary = f"PyTorch {row['pytorch_ms']:8.2f} ms, C {row['c_ms']:8.2f} ms"
-            print(f"{name:12} {tokens:3} tokens: {summary} ({row['route']}), "
+            print(f"{name:12} {tokens:3} tokens: {summary} ({row['c_gmacs']:.1f} GMAC/s), "
                   f"×{row['speedup']:.2f}", flush=True)  # fmt: skip
             rows.append(row)
     return rows
@@ -110,7 +105,6 @@ def main() -> None:
             "compiler": native_library.describe(lib),
             "isa": lib.quantized_isa().decode(),
         },
-        "gemm_from_rows": cpu_linear.GEMM_FROM_ROWS,
         "results": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -226,17 +226,17 @@ def a8_error(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> flo
     rows=st.integers(1, 70),
     groups=st.integers(1, 4),
     group_size=st.sampled_from((32, 64, 96)),
-    tokens=st.integers(1, cpu_linear.GEMM_FROM_ROWS + 16),
+    tokens=st.integers(1, 150),
     dtype=st.sampled_from((torch.float32, torch.bfloat16, torch.float16)),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_the_c_product_computes_the_activation_quantized_linear(
     bits, rows, groups, group_size, tokens, dtype, seed
 ):
-    """`ActivationQuantizedLinear` (`native_quantized.c`'s integer product below
-    `GEMM_FROM_ROWS` tokens, the float32 GEMM from it) against the definition at
-    float32's tolerance, whatever the activations' dtype; and each row's product is
-    the row's alone (computed by itself: the same bits) below the GEMM."""
+    """`ActivationQuantizedLinear` (`native_quantized.c`'s integer product) against the
+    definition at float32's tolerance, whatever the activations' dtype and the number
+    of tokens; and each row's product is the row's alone (computed by itself: the same
+    bits)."""
     g = torch.Generator().manual_seed(seed)
     columns = groups * group_size
     group = group_size if bits == 4 else columns
@@ -248,8 +248,7 @@ def test_the_c_product_computes_the_activation_quantized_linear(
     assert out.shape == (tokens, rows) and out.dtype == dtype
     tolerance = F32_RTOL if dtype == torch.float32 else RELATIVE.rtol[dtype]  # output rounding
     assert a8_error(out, x, weight) < tolerance
-    if tokens < cpu_linear.GEMM_FROM_ROWS:
-        assert torch.equal(kernel.linear(x[-1:]), out[-1:])
+    assert torch.equal(kernel.linear(x[-1:]), out[-1:])
 
 
 CHUNK_CASES = [
@@ -263,11 +262,12 @@ CHUNK_CASES = [
 @pytest.mark.clause("QUANT-A8-1", "QUANT-TOL-1")
 @pytest.mark.parametrize(("bits", "blocks_per_group", "blocks"), CHUNK_CASES)
 def test_the_c_product_at_each_chunk_boundary(bits, blocks_per_group, blocks):
-    """The AVX2 loops sum eight blocks to a vector and take the blocks past the last
-    whole chunk two at a time (4-bit) or one at a time: K of 1 to 23 blocks, groups of
-    one block (GGUF's), two, and whole rows (per-channel int8), against the definition
-    at float32's tolerance; a row of the five (four of them computed together) has the
-    bits it has alone."""
+    """The 8-bit AVX2 loops sum eight blocks to a vector and take the blocks past the
+    last whole chunk one at a time; the 4-bit tiles go block by block, their scales laid
+    out per block: K of 1 to 23 blocks, groups of one block (GGUF's), two, and whole
+    rows (per-channel int8), 37 weight rows (a last tile of five), against the
+    definition at float32's tolerance; a row of the five (four of them computed
+    together) has the bits it has alone."""
     g = torch.Generator().manual_seed(blocks * 10 + bits)
     columns = blocks * 32
     group = columns if blocks_per_group is None else blocks_per_group * 32
@@ -373,26 +373,23 @@ def test_the_scalar_loops_of_cpus_without_avx2_compute_it_too():
 
 
 @pytest.mark.clause("QUANT-GROUP-1", "QUANT-CODES-1")
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group_size", [2, 6, 16, 32, 48, 64, 256])
-def test_the_c_dequantize_is_the_specs_bit_for_bit(bits, group_size):
-    """`native_quantized.c`'s `dequantize` (its AVX2 loop for groups of multiples of 16, its scalar
-    one otherwise) against `spec.quant.dequantize_weight`, scales and offsets of
-    both signs and zero."""
-    g = torch.Generator().manual_seed(group_size)
-    rows, columns = 5, group_size * 3
-    low, high = (0, 16) if bits == 4 else (-128, 128)
-    codes = torch.randint(low, high, (rows, columns), generator=g)
+@pytest.mark.parametrize("rows", [1, 8, 13])
+@pytest.mark.parametrize("group_size", [32, 64, 96])
+def test_the_int4_tiles_hold_the_weight_bit_for_bit(rows, group_size):
+    """`native_quantized.c`'s 4-bit tiles (`pack_int4_tiles`: eight rows interleaved,
+    the last tile padded) dequantized by `dequantize_int4_tiles` against
+    `spec.quant.dequantize_weight`: every code, scale and offset where it belongs, with
+    scales and offsets of both signs and zero."""
+    g = torch.Generator().manual_seed(rows * group_size)
+    columns = group_size * 3
+    codes = torch.randint(0, 16, (rows, columns), generator=g)
     scales = torch.randn(rows, 3, generator=g)
-    offsets = torch.randn(rows, 3, generator=g) if bits == 4 else torch.zeros(rows, 3)
-    scales[0, 0], offsets[1, 1] = 0.0, -0.0
-    weight = QuantizedWeight(pack_codes(codes, bits=bits), scales, offsets, group_size, bits)
-    dense = torch.empty(rows, columns)
-    native_library.library().dequantize(
-        weight.qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), bits, rows, columns,
-        group_size, dense.data_ptr(),
-    )  # fmt: skip
-    assert torch.equal(dense, weight.dequantize())
+    offsets = torch.randn(rows, 3, generator=g)
+    scales[0, 0], offsets[-1, 1] = 0.0, -0.0
+    weight = QuantizedWeight(pack_codes(codes, bits=4), scales, offsets, group_size, 4)
+    kernel = cpu_linear.pack(weight)
+    assert isinstance(kernel, cpu_linear.ActivationQuantizedLinear)
+    assert torch.equal(kernel.dequantize(), weight.dequantize())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -405,27 +402,23 @@ def test_without_the_c_library_the_projections_take_pytorchs_kernels(bits, monke
     monkeypatch.setenv("DECODESPEC_NATIVE", "0")
     kernel = cpu_linear.pack(weight)
     assert isinstance(kernel, cpu_linear.CpuInt4Linear if bits == 4 else cpu_linear.CpuInt8Linear)
-    x = torch.randn(cpu_linear.GEMM_FROM_ROWS + 3, 64, generator=g)
+    x = torch.randn(131, 64, generator=g)
     assert kernel_error(kernel.linear(x), x, weight) < BF16_RTOL
 
 
 @pytest.mark.clause("LOOP-PREFILL-1", "FWD-QUANT-1")
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_a_long_prompt_on_the_gemm_is_the_spec_loop(fmt):
-    """A prompt past `GEMM_FROM_ROWS` prefilled in one pass (the float32 GEMM),
-    then decoded by the C product, against the spec loop."""
+def test_a_long_prompt_in_one_pass_is_the_spec_loop(fmt, monkeypatch):
+    """A prompt longer than the native step takes (`max_tokens`, lowered here) prefilled
+    in one pass by the batched path's C products, then decoded by the native step,
+    against the spec loop."""
     engine = Engine(
         model(3, fmt, max_context=192), ByteTokenizer(), backend="torch", token_budget=None
     )
-    prompt = list(range(7, 7 + cpu_linear.GEMM_FROM_ROWS + 5))
-    assert len(prompt) >= cpu_linear.GEMM_FROM_ROWS
+    monkeypatch.setattr(engine.runner.native, "max_tokens", 100)
+    prompt = list(range(7, 7 + 140))
     workload = [(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), 0)]
-    gemm = cpu_linear.ActivationQuantizedLinear.gemm
-    with mock.patch.object(cpu_linear.ActivationQuantizedLinear, "gemm", autospec=True,
-                           side_effect=gemm) as spy:  # fmt: skip
-        ran = run_workload(engine, workload)
-    assert spy.call_count > 0
-    check_all(engine, *ran)
+    check_all(engine, *run_workload(engine, workload))
 
 
 # ---------------------------------------------------------------- converting at load
