@@ -1,8 +1,10 @@
 """The C library of the torch backend: compiled at first use, loaded with ctypes.
 
-Two sources make one library: `native_step.c`, the loops between the kernels
-of the native decode step (`native_step.py`), and `native_quantized.c`, the
-quantized projections (`cpu_linear.py`). They are compiled once per machine with the system's C
+Three sources make one library: `native_step.c`, the loops between the kernels
+of the native decode step (`native_step.py`); `native_attention.c`, the stage
+contract's KV append and attention, which the step calls
+(`native_attention.py`); and `native_quantized.c`, the quantized projections
+(`cpu_linear.py`). They are compiled once per machine with the system's C
 compiler into the user's cache directory, keyed by the sources, the flags and
 the compiler.
 
@@ -24,7 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_step.c", "native_quantized.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("native_step.c", "native_attention.c", "native_quantized.c")
+)
 # Reassociation lets the compiler vectorize the dot products and sums (attention's,
 # the norm's): another order of float32 sums, as any kernel's.
 CFLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno",

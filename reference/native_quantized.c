@@ -57,6 +57,9 @@ static int has_avx2(void) {
 #endif
 }
 
+/* Whether they run, for native_step.c's attention. */
+int native_avx2(void) { return has_avx2(); }
+
 /* Which inner loops run: "avx2" or "scalar" (the engine's path line names it). */
 const char *quantized_isa(void) { return has_avx2() ? "avx2" : "scalar"; }
 

@@ -8,11 +8,11 @@
  * rows, with the same arithmetic, and `decoder_layers` runs every layer, its
  * products included, in one call.
  *
- * Attention is three entry points: `append_kv` and `paged_attention`, the
- * stage contract's operations (native_attention.py wraps them for the
- * conformance suite), and `attention`, `decoder_layers'` fused step, which
- * computes the new rows and then calls those two, so the suite checks the
- * very code the engine runs.
+ * Attention is `attention`, `decoder_layers'` fused step, which computes the
+ * new rows and then calls native_attention.c's `append_kv` and
+ * `paged_attention`, the stage contract's operations (native_attention.py wraps
+ * them for the conformance suite), so the suite checks the very code the
+ * engine runs.
  *
  * Callers (native_step.py, native_attention.py) validate every shape and
  * index first; these loops trust them.
@@ -63,192 +63,15 @@ static void rope(float *x, const float *cos, const float *sin, int64_t half) {
     }
 }
 
-/* APPEND-SLOT-1, APPEND-SKIP-1: row t of `key` and `value` (`row_bytes` each,
- * `key_stride` / `value_stride` bytes apart) to row slot_mapping[t] of each cache
- * (rows of `row_bytes`); slot -1 writes nothing. Bytes are copied as they are: the
- * caller has rounded the rows to the cache's dtype (the engine's are float32 on
- * both sides), so any dtype is stored bit for bit. */
+/* native_attention.c: the stage contract's append and attention. */
 void append_kv(const char *key, int64_t key_stride, const char *value, int64_t value_stride,
                char *k_cache, char *v_cache, int64_t row_bytes, const int64_t *slot_mapping,
-               int64_t tokens) {
-    for (int64_t t = 0; t < tokens; t++) {
-        const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue; /* APPEND-SKIP-1 */
-        memcpy(k_cache + slot * row_bytes, key + t * key_stride, (size_t)row_bytes);
-        memcpy(v_cache + slot * row_bytes, value + t * value_stride, (size_t)row_bytes);
-    }
-}
-
-/* native_quantized.c's thread pool: fn over units [0, units) in parts numbered from 0. */
-typedef void (*task_fn)(const void *args, int64_t begin, int64_t end, int part);
-void parallel_parts(task_fn fn, const void *args, int64_t units, int64_t align, int threads);
-
-typedef struct {
-    const float *q;
-    int64_t q_stride, heads, kv_heads, head_dim;
-    float scale;
-    const float *k_cache, *v_cache;
-    int64_t block_size;
-    const int64_t *block_table;
-    int64_t max_blocks;
-    const int64_t *seq_lens, *query_start;
-    const int64_t *tile_start; /* [batch + 1]: sequence b's first tile */
-    int64_t unit_heads;        /* query heads a unit takes: a KV head's group, or 1 */
-    float *scratch;            /* part p's: scratch + p · part_floats */
-    int64_t part_floats, longest;
-    float *out, *lse;
-} attention_args;
-
-/* Query tokens of one sequence attended together: each key and value block is read
- * once for the tile's tokens and the query heads of one KV head (ATTN-GQA-1), from the
- * core's nearest cache, where one (token, head) at a time read the whole context from
- * memory for each (a 64-token prefill chunk read it 576 times a layer). */
-#define TILE_TOKENS 8
-
-/* On x86-64 the loops below are compiled twice, for AVX2 and for any CPU, and the
- * loader picks the one this CPU runs; elsewhere once. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#define AVX2_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define AVX2_CLONES
-#endif
-
-/* Units [begin, end): unit u is tile u / (heads / unit_heads) (TILE_TOKENS query tokens
- * of one sequence, or its last ones) and query heads from (u % (heads / unit_heads)) ·
- * unit_heads, all of one KV head: its whole group, or one head when the tiles are too
- * few to keep the threads busy otherwise (a decode step of one sequence). Each
- * (token, head) of the tile is computed in the same steps, in the same order, as it
- * would be alone: its scores position by position, their maximum, exp and sum, the
- * weights (score / sum), then the weighted values position by position; the tile only
- * interleaves the (token, head) pairs, block by block. Inlined for each common
- * head_dim, whose loops the compiler then unrolls and keeps in registers. */
-__attribute__((always_inline)) static inline void attend_units(const attention_args *p,
-                                                               int64_t begin, int64_t end,
-                                                               int part, const int64_t head_dim) {
-    const int64_t heads = p->heads, kv_heads = p->kv_heads, unit_heads = p->unit_heads;
-    const int64_t group = heads / kv_heads, block_size = p->block_size;
-    const int64_t row = kv_heads * head_dim; /* a position's row in a cache block */
-    /* part's scratch, for the tile's (token, head) pairs: [pairs, head_dim] accumulators,
-     * maxima and sums, then [pairs, longest] scores */
-    float *acc = p->scratch + part * p->part_floats, *max = acc + TILE_TOKENS * group * head_dim;
-    float *total = max + TILE_TOKENS * group, *scores = total + TILE_TOKENS * group;
-    int64_t b = 0;
-    for (int64_t u = begin; u < end; u++) {
-        const int64_t tile = u / (heads / unit_heads);
-        const int64_t h0 = u % (heads / unit_heads) * unit_heads;
-        const int64_t g = h0 / group; /* ATTN-GQA-1 */
-        while (p->tile_start[b + 1] <= tile) b++; /* the sequence of the tile */
-        const int64_t q_len = p->query_start[b + 1] - p->query_start[b];
-        const int64_t first = (tile - p->tile_start[b]) * TILE_TOKENS;
-        const int64_t tokens = q_len - first < TILE_TOKENS ? q_len - first : TILE_TOKENS;
-        const int64_t pairs = tokens * unit_heads; /* i: token first + i / unit_heads */
-        const int64_t *blocks = p->block_table + b * p->max_blocks;
-        /* the pairs' context lengths: ATTN-CAUSAL-1 (the tile's last token sees most) */
-        const int64_t seen = p->seq_lens[b] - q_len + first + 1;
-        const int64_t widest = seen + tokens - 1;
-        for (int64_t i = 0; i < pairs; i++) max[i] = -INFINITY, total[i] = 0.0f;
-        for (int64_t start = 0, i_block = 0; start < widest; start += block_size, i_block++) {
-            const float *k_block =
-                p->k_cache + (blocks[i_block] * block_size * kv_heads + g) * head_dim;
-            for (int64_t i = 0; i < pairs; i++) {
-                const int64_t context = seen + i / unit_heads;
-                const int64_t t = p->query_start[b] + first + i / unit_heads;
-                const int64_t n = context - start < block_size ? context - start : block_size;
-                const float *qh = p->q + t * p->q_stride + (h0 + i % unit_heads) * head_dim;
-                const float *k = k_block;
-                float *s_i = scores + i * p->longest;
-                for (int64_t j = 0; j < n; j++, k += row) {
-                    float s = 0.0f;
-                    for (int64_t d = 0; d < head_dim; d++) s += qh[d] * k[d];
-                    s *= p->scale;
-                    s_i[start + j] = s;
-                    if (s > max[i]) max[i] = s;
-                }
-            }
-        }
-        for (int64_t i = 0; i < pairs; i++) {
-            const int64_t context = seen + i / unit_heads;
-            float *s_i = scores + i * p->longest;
-            for (int64_t j = 0; j < context; j++) {
-                s_i[j] = expf(s_i[j] - max[i]);
-                total[i] += s_i[j];
-            }
-            for (int64_t j = 0; j < context; j++) s_i[j] = s_i[j] / total[i];
-            for (int64_t d = 0; d < head_dim; d++) acc[i * head_dim + d] = 0.0f;
-        }
-        for (int64_t start = 0, i_block = 0; start < widest; start += block_size, i_block++) {
-            const float *v_block =
-                p->v_cache + (blocks[i_block] * block_size * kv_heads + g) * head_dim;
-            for (int64_t i = 0; i < pairs; i++) {
-                const int64_t context = seen + i / unit_heads;
-                const int64_t n = context - start < block_size ? context - start : block_size;
-                const float *weight = scores + i * p->longest + start, *v = v_block;
-                float sums[head_dim]; /* in registers for a constant head_dim */
-                memcpy(sums, acc + i * head_dim, sizeof(float) * head_dim);
-                for (int64_t j = 0; j < n; j++, v += row)
-                    for (int64_t d = 0; d < head_dim; d++) sums[d] += weight[j] * v[d];
-                memcpy(acc + i * head_dim, sums, sizeof(float) * head_dim);
-            }
-        }
-        for (int64_t i = 0; i < pairs; i++) {
-            const int64_t t = p->query_start[b] + first + i / unit_heads, h = h0 + i % unit_heads;
-            if (p->lse) p->lse[t * heads + h] = max[i] + logf(total[i]);
-            memcpy(p->out + (t * heads + h) * head_dim, acc + i * head_dim,
-                   sizeof(float) * head_dim);
-        }
-    }
-}
-
-AVX2_CLONES static void attend(const void *a, int64_t begin, int64_t end, int part) {
-    const attention_args *p = a;
-    if (p->head_dim == 64)
-        attend_units(p, begin, end, part, 64);
-    else if (p->head_dim == 128)
-        attend_units(p, begin, end, part, 128);
-    else
-        attend_units(p, begin, end, part, p->head_dim);
-}
-
-/* ATTN-LAYOUT-1 ... ATTN-EMPTY-1 on float32: each query row of `q` (rows of
- * `heads · head_dim` floats, `q_stride` floats apart) attends causally over its
- * sequence's positions in the paged float32 caches (query_start, seq_lens,
- * block_table `[batch, max_blocks]`). Each (row, head) is computed alone, its sums
- * in one fixed order whatever the batch, the tile and however the tiles are split
- * among `threads` (ATTN-INVARIANT-1). out: `[tokens, heads · head_dim]` float32; `lse`
- * `[tokens, heads]` float32 (ATTN-LSE-1) unless NULL. Returns 0, or -1 when out of
- * memory. */
+               int64_t tokens);
 int paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_heads,
                     int64_t head_dim, float scale, const float *k_cache, const float *v_cache,
                     int64_t block_size, const int64_t *block_table, int64_t max_blocks,
                     const int64_t *seq_lens, const int64_t *query_start, int64_t batch,
-                    float *out, float *lse, int64_t threads) {
-    int64_t longest = 0;
-    for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
-    const int64_t pairs = TILE_TOKENS * (heads / kv_heads);
-    const int64_t part_floats = pairs * (head_dim + 2 + longest);
-    const int64_t parts = threads > 1 ? threads : 1;
-    int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(batch + 1));
-    float *scratch = malloc(sizeof(float) * (size_t)(parts * part_floats));
-    if (!tile_start || !scratch) {
-        free(tile_start);
-        free(scratch);
-        return -1;
-    }
-    tile_start[0] = 0;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t q_len = query_start[b + 1] - query_start[b];
-        tile_start[b + 1] = tile_start[b] + (q_len + TILE_TOKENS - 1) / TILE_TOKENS;
-    }
-    /* a KV head's group a unit, unless that leaves fewer than four units a thread */
-    const int64_t unit_heads = tile_start[batch] * kv_heads >= 4 * parts ? heads / kv_heads : 1;
-    const attention_args args = {q, q_stride, heads, kv_heads, head_dim, scale, k_cache, v_cache,
-                                 block_size, block_table, max_blocks, seq_lens, query_start,
-                                 tile_start, unit_heads, scratch, part_floats, longest, out, lse};
-    parallel_parts(attend, &args, tile_start[batch] * (heads / unit_heads), 1, (int)parts);
-    free(tile_start);
-    free(scratch);
-    return 0;
-}
+                    float *out, float *lse, int64_t threads);
 
 /* One layer's attention for the decode step's packed tokens (FWD-ATTN-1):
  * q, k, v from the float32 rows of `qkv` (+ `bias` unless NULL), RoPE

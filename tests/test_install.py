@@ -118,6 +118,7 @@ def test_the_wheel_holds_only_the_decodespec_namespace(installed):
     assert "decodespec/reference/static/viewer.html" in files
     # the torch backend compiles its C sources at first use
     assert "decodespec/reference/native_step.c" in files
+    assert "decodespec/reference/native_attention.c" in files
     assert "decodespec/reference/native_quantized.c" in files
 
 

@@ -305,8 +305,8 @@ def test_a_query_token_has_its_bits_alone_in_any_tile(q_len, head_dim):
     """Query tokens of a sequence are attended in tiles of eight, with the query heads
     of a KV head (`TILE_TOKENS`): each token of a prompt chunk has the bits it has as a
     one-token query over its own context (how a chunk cut elsewhere, a cached prefix or
-    a decode step computes it), GQA groups of three; head_dim 64 and 128 take loops
-    compiled for them, others the general ones. A unit takes a KV head's three query
+    a decode step computes it), GQA groups of three; head_dim 64 and 128 take the AVX2
+    loops (on a CPU that has them), others the plain C ones. A unit takes a KV head's three query
     heads when there are enough units for the threads (40 tokens), one head otherwise."""
     g = torch.Generator().manual_seed(q_len)
     k_cache, v_cache = torch.randn(2, 16, 4, 2, head_dim, generator=g)
@@ -406,7 +406,8 @@ FAILURES = {
     "no compiler": (no_compiler, "no C compiler ('"),
     "compile error": (
         broken_compiler,
-        "failed on native_step.c + native_quantized.c: fatal error: math.h: No such file",
+        "failed on native_step.c + native_attention.c + native_quantized.c: fatal error: math.h: "
+        "No such file",
     ),
     "unwritable cache": (unwritable_cache, "cannot build in"),
     "library does not load": (unloadable_library, "cannot load"),
