@@ -15,15 +15,15 @@ from decodespec.spec.params import MAX_TOP_LOGPROBS, SamplingParams
 from .backend import BACKENDS, DEFAULT_BACKEND, get_backend
 from .cli_options import (
     add_batch_invariant_flag,
+    add_budget_flags,
     add_grammar_backend_flag,
     add_sampling_flags,
-    add_token_budget_flag,
     add_weights_flag,
+    budget_options,
     load_model_with_progress,
     prompt_ids,
     sampling_params,
     speculation,
-    token_budget,
     torch_device,
 )
 from .engine import Engine
@@ -90,7 +90,7 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
         "--choice", action="append", metavar="TEXT", help="one of these strings (repeatable)"
     )
     add_grammar_backend_flag(gen)
-    add_token_budget_flag(gen)
+    add_budget_flags(gen)
     add_batch_invariant_flag(gen)
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -215,7 +215,7 @@ def generate(args: argparse.Namespace) -> int:
         draft_model=draft_model,
         grammar_backend=args.grammar_backend,
         batch_invariant=args.batch_invariant,
-        token_budget=token_budget(args),
+        **budget_options(args),
     )
     del weights  # the engine holds the backend's copy (weight_formats)
     print(f"path: {engine.path}", file=sys.stderr)

@@ -15,7 +15,7 @@ from decodespec.spec.forward import ModelWeights
 from decodespec.spec.params import PARAMETERS, SamplingParams
 
 from . import loader
-from .engine import DEFAULT_TOKEN_BUDGET
+from .engine import DEFAULT_LONG_PROMPT_CHUNK, DEFAULT_TOKEN_BUDGET
 from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from .grammar_backends import BACKENDS as GRAMMAR_BACKENDS
 from .model_files import bundled_model_path
@@ -142,7 +142,7 @@ def add_grammar_backend_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_token_budget_flag(parser: argparse.ArgumentParser) -> None:
+def add_budget_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-budget",
         type=int,
@@ -153,12 +153,26 @@ def add_token_budget_flag(parser: argparse.ArgumentParser) -> None:
         "prompt whole",
     )
 
+    parser.add_argument(
+        "--long-prompt-chunk",
+        type=int,
+        default=DEFAULT_LONG_PROMPT_CHUNK,
+        metavar="N",
+        help="a long prompt's tokens per pass (one longer than the budget) while other "
+        f"requests decode, so that they keep most of their rate (default "
+        f"{DEFAULT_LONG_PROMPT_CHUNK}); 0: what the budget leaves",
+    )
 
-def token_budget(args: argparse.Namespace) -> int | None:
-    """`--token-budget` as the engine's `token_budget` (0: None, prompts whole)."""
-    if args.token_budget < 0:
-        raise ValueError(f"--token-budget must be >= 0, got {args.token_budget}")
-    return args.token_budget or None
+
+def budget_options(args: argparse.Namespace) -> dict[str, int | None]:
+    """`--token-budget` and `--long-prompt-chunk` as the engine's `token_budget` and
+    `long_prompt_chunk` (0: None, prompts whole; 0: the budget's chunks)."""
+    for flag, value in (("--token-budget", args.token_budget),
+                        ("--long-prompt-chunk", args.long_prompt_chunk)):  # fmt: skip
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    return {"token_budget": args.token_budget or None,
+            "long_prompt_chunk": args.long_prompt_chunk or None}  # fmt: skip
 
 
 def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 from .backend import BACKENDS, DEFAULT_BACKEND, get_backend
 from .cli_options import (
     add_batch_invariant_flag,
+    add_budget_flags,
     add_grammar_backend_flag,
-    add_token_budget_flag,
     add_weights_flag,
+    budget_options,
     load_model_with_progress,
     speculation,
-    token_budget,
     torch_device,
 )
 from .engine import Engine
@@ -50,7 +50,7 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
     srv.add_argument("--speculate", metavar="DRAFTER", help="as for generate")
     srv.add_argument("--num-draft", type=int, default=4, metavar="K")
     add_grammar_backend_flag(srv)
-    add_token_budget_flag(srv)
+    add_budget_flags(srv)
     add_batch_invariant_flag(srv)
     srv.set_defaults(run=serve)
 
@@ -92,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
         draft_model=draft_model.to(device) if draft_model is not None else None,
         grammar_backend=args.grammar_backend,
         batch_invariant=args.batch_invariant,
-        token_budget=token_budget(args),
+        **budget_options(args),
     )
     del weights, draft_model  # the engine holds the backend's copies (weight_formats)
     print(f"path: {engine.path}", file=sys.stderr)

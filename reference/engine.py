@@ -64,6 +64,8 @@ def _check_int(name: str, value: object, low: int) -> int:
 # 5 tokens/s instead of stalling for its 31 s; 16 or 32 tokens cost the burst's p99
 # more passes, 128 the decoding requests more of their rate.
 DEFAULT_TOKEN_BUDGET = 64
+# A long prompt's tokens per pass while other requests decode (`scheduler.py`).
+DEFAULT_LONG_PROMPT_CHUNK = 8
 
 # Seeds the engine draws are below this (every JSON client reads them exactly).
 DRAWN_SEEDS = 2**53
@@ -99,6 +101,9 @@ class Engine:
             `scheduler.py`): decoding requests one each, prompts in chunks of
             what is left; None runs every prompt whole in one pass, as naive
             and batch-invariant engines always do.
+        long_prompt_chunk: a long prompt's tokens per pass (one longer than
+            `token_budget`) while other requests decode, so that they keep
+            most of their rate; None: what the budget leaves.
 
     Example (see `generate` for one request):
         >>> engine = Engine(weights, tokenizer)                    # doctest: +SKIP
@@ -125,6 +130,7 @@ class Engine:
         grammar_backend: str = DEFAULT_GRAMMAR_BACKEND,
         batch_invariant: bool = False,
         token_budget: int | None = DEFAULT_TOKEN_BUDGET,
+        long_prompt_chunk: int | None = DEFAULT_LONG_PROMPT_CHUNK,
     ) -> None:
         flags = {"naive": naive, "prefix_caching": prefix_caching}
         for name, flag in {**flags, "batch_invariant": batch_invariant}.items():
@@ -138,10 +144,13 @@ class Engine:
         self.num_draft = _check_int("num_draft", num_draft, 1)
         if token_budget is not None:
             _check_int("token_budget", token_budget, 1)
+        if long_prompt_chunk is not None:
+            _check_int("long_prompt_chunk", long_prompt_chunk, 1)
         # Prompts whole: naive passes recompute every sequence anyway, and in batch-
         # invariant mode a row's attention bits depend on its pass's query count
         # (ATTN-INVARIANT-1), so a prompt cut into other chunks would change them.
         self.token_budget = None if naive or batch_invariant else token_budget
+        self.long_prompt_chunk = None if self.token_budget is None else long_prompt_chunk
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -192,14 +201,15 @@ class Engine:
             self.config.max_context,
             num_draft=self.num_draft if self.drafter is not None else 0,
             token_budget=self.token_budget,
+            long_prompt_chunk=self.long_prompt_chunk,
         )
-        self.path = self._describe_path(self.token_budget)
+        self.path = self._describe_path()
         self.requests: dict[int, Request] = {}
         # What each `generate` stream has yet to yield.
         self._streams: dict[int, deque[RequestStepOutput]] = {}
         self._next_id = 0
 
-    def _describe_path(self, token_budget: int | None) -> str:
+    def _describe_path(self) -> str:
         """What computes every request: the weights' format, the backend, the decode
         step (the native C step, or why not) and the token budget, in one line."""
         parts = [describe(self.weights), f"backend {self.backend.name}"]
@@ -213,7 +223,13 @@ class Engine:
             if self.batch_invariant:
                 why = "batch-invariant mode"
             parts.append(f"native step off ({why})")
-        parts.append(f"token budget {token_budget}" if token_budget else "prompts whole")
+        budget, chunk = self.token_budget, self.long_prompt_chunk
+        if budget is None:
+            parts.append("prompts whole")
+        else:
+            parts.append(f"token budget {budget}")
+            if chunk is not None:
+                parts.append(f"a long prompt {chunk} tokens a pass beside decoding")
         return "; ".join(parts)
 
     # -- requests

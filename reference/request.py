@@ -103,6 +103,9 @@ class Request:
     # or a chunk of a prompt cut to the pass's token budget.
     num_scheduled: int = 0
     draft_slots: int = 0  # drafts this pass has cache slots for (`Scheduler.schedule`)
+    # More new tokens at admission than a pass's token budget (`Scheduler.admit`): while
+    # other requests decode, it takes the scheduler's `long_prompt_chunk` a pass.
+    long_prompt: bool = False
     # Keys of the leading full blocks registered for prefix caching
     # (`BlockManager.register_full_blocks`).
     prefix_keys: list[PrefixKey] = field(default_factory=list)

@@ -23,6 +23,14 @@ cached (a cached prefix, LOOP-PREFIX-1). So one long prompt, or many new
 ones, never stalls the requests already decoding, and short prompts get
 their first token without waiting for a long one before them.
 
+A long prompt (more new tokens when admitted than the budget) takes at most
+`long_prompt_chunk` tokens a pass while other requests decode, the whole
+budget's worth otherwise (vLLM's `long_prefill_token_threshold` caps a long
+prompt's chunk likewise). On a CPU every prompt token a pass runs is time
+the decoding requests wait for their next token: a pass of the whole budget
+takes several decode steps' time, a small chunk about one. Short prompts are
+not capped: a burst of chats still gets its first tokens in a pass or two.
+
 With prefix caching, a request admitted maps the cached blocks that hold the
 longest prefix of its sequence (never its last token, whose logits it needs)
 and runs only the rest; after each pass, its newly full blocks are
@@ -48,7 +56,8 @@ class Scheduler:
 
     `num_draft` is the engine's K, the most drafts per request and pass (0:
     no speculative decoding). `token_budget` bounds the tokens of a pass (see
-    the module docstring); None runs every prompt whole.
+    the module docstring); None runs every prompt whole. `long_prompt_chunk`
+    bounds a long prompt's chunk while others decode; None: the budget's.
     """
 
     def __init__(
@@ -57,11 +66,13 @@ class Scheduler:
         max_context: int,
         num_draft: int = 0,
         token_budget: int | None = None,
+        long_prompt_chunk: int | None = None,
     ) -> None:
         self.blocks = blocks
         self.max_context = max_context
         self.num_draft = num_draft
         self.token_budget = token_budget
+        self.long_prompt_chunk = long_prompt_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
 
@@ -89,7 +100,7 @@ class Scheduler:
         for request in decoding:
             request.num_scheduled = 1
         for request in prefilling:  # prompts under way, oldest first
-            left = self._schedule_chunk(request, left)
+            left = self._schedule_chunk(request, left, bool(decoding))
         deferred: list[Request] = []  # waiting for a prefix this pass computes
         while self.waiting and not preempted and (left is None or left > 0):
             if self._prefix_in_this_pass(self.waiting[0]):
@@ -99,7 +110,7 @@ class Scheduler:
                 break  # it fits once running requests finish
             request = self.waiting.popleft()
             self.running.append(request)
-            left = self._schedule_chunk(request, left)
+            left = self._schedule_chunk(request, left, bool(decoding))
         self.waiting.extendleft(reversed(deferred))
         batch = [r for r in self.running if r.num_scheduled > 0]
         for request in batch:
@@ -136,19 +147,27 @@ class Scheduler:
                 return True
         return False
 
-    @staticmethod
-    def _schedule_chunk(request: Request, left: int | None) -> int | None:
+    def _schedule_chunk(
+        self, request: Request, left: int | None, others_decode: bool
+    ) -> int | None:
         """Schedule what `left` tokens of the budget allow of the request's new tokens
-        (all of them without a budget); the budget left after it."""
+        (all of them without a budget), a long prompt's `long_prompt_chunk` at most
+        while others decode; the budget left after it."""
         wanted = len(request.new_tokens())
-        request.num_scheduled = wanted if left is None else min(wanted, max(left, 0))
-        return None if left is None else left - request.num_scheduled
+        if left is not None:
+            wanted = min(wanted, max(left, 0))
+        if others_decode and request.long_prompt and self.long_prompt_chunk is not None:
+            wanted = min(wanted, self.long_prompt_chunk)
+        request.num_scheduled = wanted
+        return None if left is None else left - wanted
 
     def admit(self, request: Request) -> bool:
         """Give a waiting request its blocks (mapping a cached prefix); False, taking
         none, if they do not fit."""
         if not self.blocks.allocate(request):
             return False
+        budget = self.token_budget
+        request.long_prompt = budget is not None and len(request.new_tokens()) > budget
         # What the cache served the client's prompt: the first admission's figure. A
         # readmission after preemption maps blocks the request cached itself; not counted.
         if request.cached_prompt_tokens is None:

@@ -451,4 +451,4 @@ def test_chunked_prefill_benchmark_smoke(tmp_path):
         assert row["ttft_ms_p50"] <= row["ttft_ms_p99"]
     assert [t["met"] in (True, False) for t in report["targets"]] == [True, True]
     section = chunked_section(report)
-    assert "Smoke run" in section and "| whole prompts |" in section and "| 64 |" in section
+    assert "Smoke run" in section and "| whole prompts |" in section and "| 64 / 8 |" in section

@@ -14,7 +14,7 @@ from docs.tools.performance import (
 
 CHUNKED_FILE = "chunked-prefill-cpu.json"
 COLUMNS = [
-    "token budget",
+    "token budget / long prompt chunk",
     "one request's TTFT ms",
     "burst TTFT p50 / p99 ms",
     "burst output tok/s",
@@ -32,7 +32,9 @@ def chunked_section(report: dict | None) -> str:
         return heading + not_measured(CHUNKED_FILE, "make bench-chunked").replace(" on a GPU", "")
     rows = [
         [
-            "whole prompts" if row["token_budget"] is None else str(row["token_budget"]),
+            "whole prompts"
+            if row["token_budget"] is None
+            else f"{row['token_budget']} / {row.get('long_prompt_chunk') or 'none'}",
             f"{row['alone_ttft_ms']:.0f}",
             f"{row['ttft_ms_p50']:.0f} / {row['ttft_ms_p99']:.0f}",
             f"{row['output_tokens_per_s']:.1f}",

@@ -53,9 +53,14 @@ def request(id: int, prompt_len: int, max_tokens: int = 8, num_draft: int | None
 
 
 def scheduler(
-    num_blocks: int, block_size: int = 4, num_draft: int = 0, token_budget: int | None = None
+    num_blocks: int,
+    block_size: int = 4,
+    num_draft: int = 0,
+    token_budget: int | None = None,
+    long_prompt_chunk: int | None = None,
 ) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), MAX_CONTEXT, num_draft, token_budget)
+    return Scheduler(BlockManager(num_blocks, block_size), MAX_CONTEXT, num_draft, token_budget,
+                     long_prompt_chunk)  # fmt: skip
 
 
 def step(s: Scheduler, tokens: int = 7) -> list[Request]:
@@ -218,6 +223,27 @@ def test_decoding_requests_run_first_and_a_long_prompt_takes_what_the_budget_lea
     assert (len(a.output_ids), len(b.output_ids)) == (4, 1)  # b's first token: its last chunk
     assert b.num_cached == 20
     assert chunked_step(s) == [(0, 1), (1, 1)]
+
+
+def test_a_long_prompt_takes_its_small_chunks_only_while_others_decode():
+    """A prompt longer than the budget takes `long_prompt_chunk` tokens a pass beside
+    decoding requests, the budget's worth once none decodes; a short prompt that
+    arrives meanwhile is not capped."""
+    s = scheduler(num_blocks=24, token_budget=8, long_prompt_chunk=2)
+    a, b, c = request(0, 3, max_tokens=3), request(1, 20), request(2, 5)
+    s.add(a)
+    assert chunked_step(s) == [(0, 3)]
+    s.add(b)
+    assert chunked_step(s) == [(0, 1), (1, 2)]  # b is long, and a decodes
+    s.add(c)
+    assert chunked_step(s) == [(0, 1), (1, 2), (2, 5)]  # c is short: whole
+    assert len(a.output_ids) == 3 and a.finish_reason == "length"
+    # a has finished; c decodes, so b still takes 2 a pass
+    assert chunked_step(s) == [(1, 2), (2, 1)]
+    s.finish(c, "abort")
+    assert chunked_step(s) == [(1, 8)]  # nobody decodes: the budget's worth
+    assert chunked_step(s) == [(1, 6)]
+    assert (b.num_cached, len(b.output_ids)) == (20, 1)
 
 
 def test_a_prompt_chunk_emits_nothing_and_takes_no_drafts():
