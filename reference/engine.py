@@ -58,13 +58,14 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
-# Chunked prefill's tokens per pass (`scheduler.py`). On the bundled model, 2 cores
-# (results/chunked-prefill-cpu.json): 16 short prompts at once get their first token at
-# p50 3.3 s instead of 4.8 s, and requests decoding beside a 2,000-token prompt keep
-# 5 tokens/s instead of stalling for its 31 s; 16 or 32 tokens cost the burst's p99
-# more passes, 128 the decoding requests more of their rate.
-DEFAULT_TOKEN_BUDGET = 64
-# A long prompt's tokens per pass while other requests decode (`scheduler.py`).
+# Chunked prefill's tokens per pass, and a long prompt's while others decode
+# (`scheduler.py`). On the bundled model, 2 cores (`make bench-chunked`,
+# results/chunked-prefill-cpu.json, best of 3 rounds): 16 short chats at once get their
+# first token at p50 / p99 238 / 361 ms with 128 (261 / 457 with 64, 514 / 2,153 with
+# 16); 4 requests decoding beside a 2,000-token prompt keep 66 tokens/s of their 166
+# with the chunk of 8 (10.5 of 184 without it, 0.7 with prompts whole), and the prompt
+# gets its first token in 15.1 s (5.4 s whole, alone on the cores).
+DEFAULT_TOKEN_BUDGET = 128
 DEFAULT_LONG_PROMPT_CHUNK = 8
 
 # Seeds the engine draws are below this (every JSON client reads them exactly).

@@ -441,8 +441,8 @@ def test_chunked_prefill_benchmark_smoke(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["smoke"] is True and "not measurements" in report["note"]
-    assert "token budget 64" in report["path"] and "backend torch" in report["path"]
-    assert [row["token_budget"] for row in report["budgets"]] == [None, 64]
+    assert "token budget 128" in report["path"] and "backend torch" in report["path"]
+    assert [row["token_budget"] for row in report["budgets"]] == [None, 128]
     for row in report["budgets"]:
         for key in ("alone_ttft_ms", "ttft_ms_p50", "ttft_ms_p99", "output_tokens_per_s",
                     "decode_tokens_per_s_before", "decode_tokens_per_s_during",
@@ -451,4 +451,4 @@ def test_chunked_prefill_benchmark_smoke(tmp_path):
         assert row["ttft_ms_p50"] <= row["ttft_ms_p99"]
     assert [t["met"] in (True, False) for t in report["targets"]] == [True, True]
     section = chunked_section(report)
-    assert "Smoke run" in section and "| whole prompts |" in section and "| 64 / 8 |" in section
+    assert "Smoke run" in section and "| whole prompts |" in section and "| 128 / 8 |" in section

@@ -122,7 +122,7 @@ def test_both_commands_default_to_it_and_the_files_own_format():
     parser = build_parser()
     for argv in (["serve"], ["generate", "hi"]):
         args = parser.parse_args(argv)
-        assert (args.backend, args.weights, args.token_budget) == ("torch", "auto", 64)
+        assert (args.backend, args.weights, args.token_budget) == ("torch", "auto", 128)
         assert args.long_prompt_chunk == 8
     assert parser.parse_args(["generate", "hi", "--backend", "spec"]).backend == "spec"
 

@@ -337,14 +337,14 @@ def test_requests_arriving_together_wait_a_pass_for_the_prefix_one_of_them_compu
     """Blocks are registered after the pass that writes them. A waiting request whose
     prompt begins like one this pass prefills (a block or more of it) waits for the
     next pass and maps those blocks; one that shares nothing is admitted at once.
-    Without prefix caching the second is admitted at once (the token budget, 64,
-    then has no room left for the third). The tokens are those of the cache off."""
+    Without prefix caching the second is admitted at once (a token budget of 64 then
+    has no room left for the third). The tokens are those of the cache off."""
     weights = small_model(6)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompts = [SYSTEM + QUESTIONS[0], SYSTEM + QUESTIONS[1], [7] * 20]
     outputs = {}
     for caching in (True, False):
-        engine = Engine(weights, ByteTokenizer(), prefix_caching=caching)
+        engine = Engine(weights, ByteTokenizer(), prefix_caching=caching, token_budget=64)
         admissions = record_admissions(engine)
         ids = [engine.add_request(p, params) for p in prompts]
         engine.step()

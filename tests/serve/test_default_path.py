@@ -19,6 +19,6 @@ def test_the_default_server_runs_the_files_own_format_and_says_so():
     for answer in answers:
         path = answer["timing"]["path"]
         assert path.startswith("projections int4 g32 ×210, int8 ×1"), path
-        assert "backend torch" in path and "token budget 64" in path, path
+        assert "backend torch" in path and "token budget 128" in path, path
         assert "native step" in path, path
         assert answer["usage"]["completion_tokens"] >= 1
