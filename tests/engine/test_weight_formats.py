@@ -346,8 +346,9 @@ def test_the_c_products_threads_serve_two_callers_and_a_forked_child():
 
 @pytest.mark.clause("QUANT-A8-1")
 def test_the_scalar_loops_of_cpus_without_avx2_compute_it_too():
-    """`DECODESPEC_NATIVE_ISA=scalar` runs the product's scalar C loops (what a CPU
-    without AVX2 runs); the product's tests above, and the row-blocked bits, pass on them."""
+    """`DECODESPEC_NATIVE_ISA=scalar` runs the product's and the attention's plain C loops
+    (what a CPU without AVX2 runs); the product's tests above, the row-blocked bits and
+    the attention's bits in any tile pass on them."""
     env = {**os.environ, "DECODESPEC_NATIVE_ISA": "scalar", "HYPOTHESIS_PROFILE": "ci"}
     code = (
         "from decodespec.reference import native_library as n; print(n.library().quantized_isa())"
@@ -363,13 +364,14 @@ def test_the_scalar_loops_of_cpus_without_avx2_compute_it_too():
          f"{here}::test_the_c_product_at_each_chunk_boundary",
          f"{here}::test_the_c_activation_codes_are_the_specs_bit_for_bit",
          "tests/engine/test_batch_invariance.py::"
-         "test_a_row_blocked_quantized_projection_gives_each_row_the_same_bits"],
+         "test_a_row_blocked_quantized_projection_gives_each_row_the_same_bits",
+         "tests/engine/test_native_step.py::test_a_query_token_has_its_bits_alone_in_any_tile"],
         cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
-    # 3 property tests, the chunk cases and 16 row-blocked cases: none skipped
-    assert f"{3 + len(CHUNK_CASES) + 16} passed" in run.stdout, run.stdout[-1000:]
+    # 3 property tests, the chunk cases, 16 row-blocked cases and 18 tile cases: none skipped
+    assert f"{3 + len(CHUNK_CASES) + 16 + 18} passed" in run.stdout, run.stdout[-1000:]
 
 
 @pytest.mark.clause("QUANT-GROUP-1", "QUANT-CODES-1")
