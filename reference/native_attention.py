@@ -2,7 +2,8 @@
 
 `native_step.NativeStep` runs a layer's attention as one C call (`attention`
 in `native_step.c`): the new rows' RoPE, then `append_kv`, then
-`paged_attention`, both of them entry points of the same library. This
+`paged_attention`, both of them entry points of the same library
+(`native_attention.c`). This
 module exposes those two entry points with the spec's names and signatures
 (ARCHITECTURE.md, "The stage contract"), validation in Python, so that the
 conformance suite checks the very loops the engine's decode step runs:
