@@ -42,7 +42,7 @@ typedef struct {
     const int64_t *tile_start; /* [batch + 1]: sequence b's first tile */
     int64_t unit_heads;        /* query heads a unit takes: a KV head's group, or 1 */
     float *scratch;            /* part p's: scratch + p · part_floats */
-    int64_t part_floats, longest;
+    int64_t part_floats, score_row; /* floats: a part's scratch, a pair's scores */
     float *out, *lse;
 } attention_args;
 
@@ -147,7 +147,7 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
     const int64_t unit_heads = p->unit_heads, block_size = p->block_size;
     const int64_t row = p->kv_heads * head_dim; /* a position's row in a cache block */
     /* part's scratch, for the tile's pairs: [pairs, head_dim] accumulators, maxima and
-     * sums, then [pairs, longest] scores */
+     * sums, then [pairs, score_row] scores */
     const int64_t most = TILE_TOKENS * (p->heads / p->kv_heads);
     float *acc = p->scratch + part * p->part_floats, *max = acc + most * head_dim;
     float *total = max + most, *scores = total + most;
@@ -160,7 +160,7 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
             for (int64_t i = 0; i < w.pairs; i++) {
                 const int64_t n = in_block(&w, i, unit_heads, start, block_size);
                 const float *qh = pair_query(p, &w, i, head_dim), *k = k_block;
-                float *s_i = scores + i * p->longest;
+                float *s_i = scores + i * p->score_row;
                 for (int64_t j = 0; j < n; j++, k += row) {
                     float s = 0.0f;
                     for (int64_t d = 0; d < head_dim; d++) s += qh[d] * k[d];
@@ -172,7 +172,7 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
         }
         for (int64_t i = 0; i < w.pairs; i++) {
             const int64_t context = w.seen + i / unit_heads;
-            float *s_i = scores + i * p->longest;
+            float *s_i = scores + i * p->score_row;
             const float m = max[i];
             float sum = 0.0f; /* in a register: total[i] in memory made each step wait */
             for (int64_t j = 0; j < context; j++) {
@@ -187,7 +187,7 @@ __attribute__((always_inline)) static inline void attend_units(const attention_a
             const float *v_block = cache_block(p, p->v_cache, &w, i_block, head_dim);
             for (int64_t i = 0; i < w.pairs; i++) {
                 const int64_t n = in_block(&w, i, unit_heads, start, block_size);
-                const float *weight = scores + i * p->longest + start, *v = v_block;
+                const float *weight = scores + i * p->score_row + start, *v = v_block;
                 float sums[head_dim]; /* in registers for a constant head_dim */
                 memcpy(sums, acc + i * head_dim, sizeof(float) * head_dim);
                 for (int64_t j = 0; j < n; j++, v += row)
@@ -222,22 +222,28 @@ AVX2 __attribute__((always_inline)) static inline __m256 exp_nonpositive8(__m256
     return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
-/* The dot products of query q with four keys: each key's eight lanes of FMAs over
- * head_dim, then summed as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): a key's score is
- * the same in any of the four places. */
-AVX2 __attribute__((always_inline)) static inline __m128 dot4(const float *q, const float *k[4],
-                                                               const int64_t head_dim) {
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    for (int64_t d = 0; d < head_dim; d += 8) {
-        const __m256 qd = _mm256_loadu_ps(q + d);
-        for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[c] + d), a[c]);
-    }
+/* The lane sums of four vectors, each as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
+AVX2 __attribute__((always_inline)) static inline __m128 sum_lanes4(const __m256 a[4]) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* The lanes of the first `count` (0 to 8) floats: a masked load's mask. */
+/* The dot products of query q with eight keys: each key's eight lanes of FMAs over
+ * head_dim, then summed as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): a key's score is
+ * the same in any of the eight places. Eight keys, not four: their eight chains of FMAs
+ * keep both FMA units busy, where four chains waited on each other's latency. */
+AVX2 __attribute__((always_inline)) static inline __m256 dot8(const float *q, const float *k[8],
+                                                               const int64_t head_dim) {
+    __m256 a[8];
+    for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[c] + d), a[c]);
+    }
+    return _mm256_set_m128(sum_lanes4(a + 4), sum_lanes4(a));
+}
+
+/* The lanes of the first `count` floats (all eight from 8 on): those inside the context. */
 AVX2 __attribute__((always_inline)) static inline __m256i first_lanes(int64_t count) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count),
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -255,7 +261,7 @@ AVX2 __attribute__((always_inline)) static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* attend_units in AVX2 for head_dim 64 or 128: scores four keys at a time (`dot4`),
+/* attend_units in AVX2 for head_dim 64 or 128: scores eight keys at a time (`dot8`),
  * the maximum, exp and sum eight positions at a time, then the values weighted by FMAs,
  * position by position. A pair's steps depend on its own context length only: the same
  * bits alone and in any tile, on any thread. */
@@ -275,56 +281,46 @@ AVX2 __attribute__((always_inline)) static inline void attend_units_avx2(
             for (int64_t i = 0; i < w.pairs; i++) {
                 const int64_t n = in_block(&w, i, unit_heads, start, block_size);
                 const float *qh = pair_query(p, &w, i, head_dim);
-                float *s_i = scores + i * p->longest + start;
-                for (int64_t j = 0; j < n; j += 4) {
-                    const float *k[4]; /* past n: the last key again, its score dropped */
-                    for (int c = 0; c < 4; c++) k[c] = k_block + (j + c < n ? j + c : n - 1) * row;
-                    const __m128 s = _mm_mul_ps(dot4(qh, k, head_dim), _mm256_castps256_ps128(scale));
-                    if (j + 4 <= n) {
-                        _mm_storeu_ps(s_i + j, s);
-                    } else {
-                        float four[4];
-                        _mm_storeu_ps(four, s);
-                        memcpy(s_i + j, four, sizeof(float) * (size_t)(n - j));
-                    }
+                float *s_i = scores + i * p->score_row + start;
+                for (int64_t j = 0; j < n; j += 8) {
+                    const float *k[8]; /* past n: the last key again, its score dropped */
+                    for (int c = 0; c < 8; c++) k[c] = k_block + (j + c < n ? j + c : n - 1) * row;
+                    _mm256_storeu_ps(s_i + j, _mm256_mul_ps(dot8(qh, k, head_dim), scale));
                 }
             }
         }
         for (int64_t i = 0; i < w.pairs; i++) {
             const int64_t context = w.seen + i / unit_heads;
-            float *s_i = scores + i * p->longest;
+            float *s_i = scores + i * p->score_row;
             __m256 m = _mm256_set1_ps(-INFINITY);
             for (int64_t j = 0; j < context; j += 8) {
                 const __m256i lanes = first_lanes(context - j);
-                const __m256 s = _mm256_maskload_ps(s_i + j, lanes);
+                const __m256 s = _mm256_loadu_ps(s_i + j); /* lanes past context: padding */
                 /* max(s, m) is m where s is NaN, as the scalar comparison */
                 m = _mm256_max_ps(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s,
                                                    _mm256_castsi256_ps(lanes)), m);
             }
             max[i] = max8(m);
+            const __m256 row_max = _mm256_set1_ps(max[i]);
             __m256 sum = _mm256_setzero_ps();
             for (int64_t j = 0; j < context; j += 8) {
-                const __m256i lanes = first_lanes(context - j);
-                const __m256 s = _mm256_maskload_ps(s_i + j, lanes);
-                const __m256 e = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(s, _mm256_set1_ps(max[i]))),
-                                               _mm256_castsi256_ps(lanes));
-                _mm256_maskstore_ps(s_i + j, lanes, e);
+                const __m256 s = _mm256_loadu_ps(s_i + j);
+                const __m256 e = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(s, row_max)),
+                                               _mm256_castsi256_ps(first_lanes(context - j)));
+                _mm256_storeu_ps(s_i + j, e);
                 sum = _mm256_add_ps(sum, e);
             }
             total[i] = sum8(sum);
             const __m256 divisor = _mm256_set1_ps(total[i]);
-            for (int64_t j = 0; j < context; j += 8) {
-                const __m256i lanes = first_lanes(context - j);
-                _mm256_maskstore_ps(s_i + j, lanes,
-                                    _mm256_div_ps(_mm256_maskload_ps(s_i + j, lanes), divisor));
-            }
+            for (int64_t j = 0; j < context; j += 8)
+                _mm256_storeu_ps(s_i + j, _mm256_div_ps(_mm256_loadu_ps(s_i + j), divisor));
             memset(acc + i * head_dim, 0, sizeof(float) * (size_t)head_dim);
         }
         for (int64_t start = 0, i_block = 0; start < w.widest; start += block_size, i_block++) {
             const float *v_block = cache_block(p, p->v_cache, &w, i_block, head_dim);
             for (int64_t i = 0; i < w.pairs; i++) {
                 const int64_t n = in_block(&w, i, unit_heads, start, block_size);
-                const float *weight = scores + i * p->longest + start, *v = v_block;
+                const float *weight = scores + i * p->score_row + start, *v = v_block;
                 __m256 sums[head_dim / 8]; /* in registers */
                 for (int64_t d = 0; d < head_dim / 8; d++)
                     sums[d] = _mm256_loadu_ps(acc + i * head_dim + 8 * d);
@@ -381,7 +377,10 @@ int paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_
     int64_t longest = 0;
     for (int64_t b = 0; b < batch; b++) longest = seq_lens[b] > longest ? seq_lens[b] : longest;
     const int64_t pairs = TILE_TOKENS * (heads / kv_heads);
-    const int64_t part_floats = pairs * (head_dim + 2 + longest);
+    /* a pair's scores: its row holds whole vectors of eight past the longest context,
+     * which the AVX2 loops read and write as padding (their values are never used) */
+    const int64_t score_row = (longest + 15) / 8 * 8;
+    const int64_t part_floats = pairs * (head_dim + 2 + score_row);
     const int64_t parts = threads > 1 ? threads : 1;
     int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(batch + 1));
     float *scratch = malloc(sizeof(float) * (size_t)(parts * part_floats));
@@ -399,7 +398,7 @@ int paged_attention(const float *q, int64_t q_stride, int64_t heads, int64_t kv_
     const int64_t unit_heads = tile_start[batch] * kv_heads >= 4 * parts ? heads / kv_heads : 1;
     const attention_args args = {q, q_stride, heads, kv_heads, head_dim, scale, k_cache, v_cache,
                                  block_size, block_table, max_blocks, seq_lens, query_start,
-                                 tile_start, unit_heads, scratch, part_floats, longest, out, lse};
+                                 tile_start, unit_heads, scratch, part_floats, score_row, out, lse};
     task_fn units = attend;
 #if defined(__x86_64__)
     if (native_avx2() && (head_dim == 64 || head_dim == 128)) units = attend_avx2;
