@@ -20,8 +20,6 @@ step recomputes every request's whole sequence, which is what the cache saves.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -211,7 +209,6 @@ class Engine:
         # What each `generate` stream has yet to yield.
         self._streams: dict[int, deque[RequestStepOutput]] = {}
         self._next_id = 0
-        _freeze_heap()
 
     def _describe_path(self) -> str:
         """What computes every request: the weights' format, the backend, the decode
@@ -422,21 +419,3 @@ class Engine:
             return self._pass([request])[0]
         except Exception as error:
             return PassOutcome(error=f"{type(error).__name__}: {error}")
-
-
-def _freeze_heap() -> None:
-    """Leaves everything alive now out of the cyclic collector's passes.
-
-    An engine's process holds some 180,000 objects that live as long as it does (torch's
-    modules, the weights, the tokenizer); each full collection walked all of them, and
-    the objects every step allocates set one off every few hundred steps: 11-15% of a
-    4-stream decode's time (perf). Frozen objects are still freed when their last
-    reference goes (an engine has no reference cycles); vLLM freezes its heap after
-    start-up the same way (`freeze_gc_heap`). The collection first keeps today's garbage
-    out of the frozen generation; at exit they are thawed, so that the interpreter's last
-    collection still finalizes them (nanobind, in triton, reports what it did not as leaks).
-    """
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # once, however many engines start
-    atexit.register(gc.unfreeze)

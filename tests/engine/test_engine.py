@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
-import weakref
 
 import pytest
 import torch
@@ -187,21 +185,6 @@ def test_requests_join_and_leave_and_blocks_return(model):
     assert 2 in sizes and sizes[-1] == 0  # both decoded together, then both left
     assert engine.output(a).completion_tokens == 3 and engine.output(b).completion_tokens == 6
     assert engine.block_manager.allocator.num_free == free
-
-
-def test_engine_freezes_its_start_up_heap_and_is_still_freed_when_dropped(model):
-    """The engine leaves what is alive at its start out of the collector's passes
-    (`_freeze_heap`); frozen objects are never collected as cycles, so a dropped engine
-    must go by reference counting alone, whatever it ran."""
-    gc.unfreeze()
-    engine = Engine(model, ByteTokenizer())
-    assert gc.get_freeze_count() > 0
-    assert not any(o is engine.scheduler for o in gc.get_objects())  # frozen, not walked
-    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))
-    run_all(engine)
-    dropped = weakref.ref(engine)
-    del engine
-    assert dropped() is None
 
 
 def test_request_that_cannot_grow_preempts_instead_of_failing(model):
