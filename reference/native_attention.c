@@ -283,7 +283,7 @@ AVX2 __attribute__((always_inline)) static inline void attend_units_avx2(
                 const float *qh = pair_query(p, &w, i, head_dim);
                 float *s_i = scores + i * p->score_row + start;
                 for (int64_t j = 0; j < n; j += 8) {
-                    const float *k[8]; /* past n: the last key again, its score dropped */
+                    const float *k[8]; /* past n: the last key again, scored into the padding */
                     for (int c = 0; c < 8; c++) k[c] = k_block + (j + c < n ? j + c : n - 1) * row;
                     _mm256_storeu_ps(s_i + j, _mm256_mul_ps(dot8(qh, k, head_dim), scale));
                 }
