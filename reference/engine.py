@@ -61,10 +61,12 @@ def _check_int(name: str, value: object, low: int) -> int:
 # Chunked prefill's tokens per pass, and a long prompt's while others decode
 # (`scheduler.py`). On the bundled model, 2 cores (`make bench-chunked`,
 # results/chunked-prefill-cpu.json, best of 3 rounds): 16 short chats at once get their
-# first token at p50 / p99 238 / 361 ms with 128 (261 / 457 with 64, 514 / 2,153 with
-# 16); 4 requests decoding beside a 2,000-token prompt keep 66 tokens/s of their 166
-# with the chunk of 8 (10.5 of 184 without it, 0.7 with prompts whole), and the prompt
-# gets its first token in 15.1 s (5.4 s whole, alone on the cores).
+# first token at p50 / p99 223 / 332 ms with 128 (209 / 342 with 64, within this
+# machine's noise; 320 / 1,536 with 16); 4 requests decoding beside a
+# 2,000-token prompt keep about 40% of their rate with the chunk of 8 (95 of 211
+# tokens/s; 10 of 226 without it, 0.8 with prompts whole), and the prompt gets its first
+# token in 10.5 s (5.1 s whole, alone on the cores). A chunk of 4 keeps a little more at
+# twice the prompt's wait, 16 less.
 DEFAULT_TOKEN_BUDGET = 128
 DEFAULT_LONG_PROMPT_CHUNK = 8
 
