@@ -196,6 +196,7 @@ def generate(args: argparse.Namespace) -> int:
     backend = get_backend(args.backend)
     if not 0 <= args.show_probs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"--show-probs must be in [0, {MAX_TOP_LOGPROBS}], got {args.show_probs}")
+    budget = budget_options(args)  # bad flags refused before the model loads
     if backend.kernel_ops and device.type == "cpu":
         print("no GPU: the Triton kernels run in the Triton interpreter (slow)", file=sys.stderr)
     weights, tokenizer = load_model_with_progress(args.model, args.weights)
@@ -215,7 +216,7 @@ def generate(args: argparse.Namespace) -> int:
         draft_model=draft_model,
         grammar_backend=args.grammar_backend,
         batch_invariant=args.batch_invariant,
-        **budget_options(args),
+        **budget,
     )
     del weights  # the engine holds the backend's copy (weight_formats)
     print(f"path: {engine.path}", file=sys.stderr)

@@ -15,7 +15,7 @@ from decodespec.spec.forward import ModelWeights
 from decodespec.spec.params import PARAMETERS, SamplingParams
 
 from . import loader
-from .engine import DEFAULT_LONG_PROMPT_CHUNK, DEFAULT_TOKEN_BUDGET
+from .engine import DEFAULT_LONG_PROMPT_CHUNK, DEFAULT_LONG_PROMPT_INTERVAL, DEFAULT_TOKEN_BUDGET
 from .grammar import DEFAULT_BACKEND as DEFAULT_GRAMMAR_BACKEND
 from .grammar_backends import BACKENDS as GRAMMAR_BACKENDS
 from .model_files import bundled_model_path
@@ -158,21 +158,33 @@ def add_budget_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_LONG_PROMPT_CHUNK,
         metavar="N",
-        help="a long prompt's tokens per pass (one longer than the budget) while other "
+        help="a long prompt's tokens per chunk (one longer than the budget) while other "
         f"requests decode, so that they keep most of their rate (default "
-        f"{DEFAULT_LONG_PROMPT_CHUNK}); 0: what the budget leaves",
+        f"{DEFAULT_LONG_PROMPT_CHUNK}); 0: what the budget leaves, every pass",
+    )
+    parser.add_argument(
+        "--long-prompt-interval",
+        type=int,
+        default=DEFAULT_LONG_PROMPT_INTERVAL,
+        metavar="N",
+        help="passes from one chunk of a long prompt to the next while other requests "
+        f"decode (default {DEFAULT_LONG_PROMPT_INTERVAL}; 1: every pass)",
     )
 
 
 def budget_options(args: argparse.Namespace) -> dict[str, int | None]:
-    """`--token-budget` and `--long-prompt-chunk` as the engine's `token_budget` and
-    `long_prompt_chunk` (0: None, prompts whole; 0: the budget's chunks)."""
+    """`--token-budget`, `--long-prompt-chunk` and `--long-prompt-interval` as the
+    engine's `token_budget`, `long_prompt_chunk` and `long_prompt_interval` (0: None,
+    prompts whole; 0: the budget's chunks)."""
     for flag, value in (("--token-budget", args.token_budget),
                         ("--long-prompt-chunk", args.long_prompt_chunk)):  # fmt: skip
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
+    if args.long_prompt_interval < 1:
+        raise ValueError(f"--long-prompt-interval must be >= 1, got {args.long_prompt_interval}")
     return {"token_budget": args.token_budget or None,
-            "long_prompt_chunk": args.long_prompt_chunk or None}  # fmt: skip
+            "long_prompt_chunk": args.long_prompt_chunk or None,
+            "long_prompt_interval": args.long_prompt_interval}  # fmt: skip
 
 
 def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:

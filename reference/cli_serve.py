@@ -75,6 +75,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     device = torch_device(args.device)
     get_backend(args.backend)
+    budget = budget_options(args)
     listening = listen(args.host, args.port)  # a taken port fails now, not after loading
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     weights, tokenizer = load_model_with_progress(args.model, args.weights)
@@ -92,7 +93,7 @@ def serve(args: argparse.Namespace) -> int:
         draft_model=draft_model.to(device) if draft_model is not None else None,
         grammar_backend=args.grammar_backend,
         batch_invariant=args.batch_invariant,
-        **budget_options(args),
+        **budget,
     )
     del weights, draft_model  # the engine holds the backend's copies (weight_formats)
     print(f"path: {engine.path}", file=sys.stderr)

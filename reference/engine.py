@@ -68,7 +68,8 @@ def _check_int(name: str, value: object, low: int) -> int:
 # token in 10.5 s (5.1 s whole, alone on the cores). A chunk of 4 keeps a little more at
 # twice the prompt's wait, 16 less.
 DEFAULT_TOKEN_BUDGET = 128
-DEFAULT_LONG_PROMPT_CHUNK = 8
+DEFAULT_LONG_PROMPT_CHUNK = 64
+DEFAULT_LONG_PROMPT_INTERVAL = 12
 
 # Seeds the engine draws are below this (every JSON client reads them exactly).
 DRAWN_SEEDS = 2**53
@@ -104,9 +105,11 @@ class Engine:
             `scheduler.py`): decoding requests one each, prompts in chunks of
             what is left; None runs every prompt whole in one pass, as naive
             and batch-invariant engines always do.
-        long_prompt_chunk: a long prompt's tokens per pass (one longer than
+        long_prompt_chunk: a long prompt's tokens per chunk (one longer than
             `token_budget`) while other requests decode, so that they keep
-            most of their rate; None: what the budget leaves.
+            most of their rate; None: what the budget leaves, every pass.
+        long_prompt_interval: passes from one such chunk to the next (1:
+            every pass).
 
     Example (see `generate` for one request):
         >>> engine = Engine(weights, tokenizer)                    # doctest: +SKIP
@@ -134,6 +137,7 @@ class Engine:
         batch_invariant: bool = False,
         token_budget: int | None = DEFAULT_TOKEN_BUDGET,
         long_prompt_chunk: int | None = DEFAULT_LONG_PROMPT_CHUNK,
+        long_prompt_interval: int = DEFAULT_LONG_PROMPT_INTERVAL,
     ) -> None:
         flags = {"naive": naive, "prefix_caching": prefix_caching}
         for name, flag in {**flags, "batch_invariant": batch_invariant}.items():
@@ -149,6 +153,7 @@ class Engine:
             _check_int("token_budget", token_budget, 1)
         if long_prompt_chunk is not None:
             _check_int("long_prompt_chunk", long_prompt_chunk, 1)
+        self.long_prompt_interval = _check_int("long_prompt_interval", long_prompt_interval, 1)
         # Prompts whole: naive passes recompute every sequence anyway, and in batch-
         # invariant mode a row's attention bits depend on its pass's query count
         # (ATTN-INVARIANT-1), so a prompt cut into other chunks would change them.
@@ -205,6 +210,7 @@ class Engine:
             num_draft=self.num_draft if self.drafter is not None else 0,
             token_budget=self.token_budget,
             long_prompt_chunk=self.long_prompt_chunk,
+            long_prompt_interval=self.long_prompt_interval,
         )
         self.path = self._describe_path()
         self.requests: dict[int, Request] = {}
@@ -231,8 +237,10 @@ class Engine:
             parts.append("prompts whole")
         else:
             parts.append(f"token budget {budget}")
+            interval = self.long_prompt_interval
             if chunk is not None:
-                parts.append(f"a long prompt {chunk} tokens a pass beside decoding")
+                every = "a pass" if interval == 1 else f"every {interval} passes"
+                parts.append(f"a long prompt {chunk} tokens {every} beside decoding")
         return "; ".join(parts)
 
     # -- requests

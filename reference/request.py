@@ -104,8 +104,10 @@ class Request:
     num_scheduled: int = 0
     draft_slots: int = 0  # drafts this pass has cache slots for (`Scheduler.schedule`)
     # More new tokens at admission than a pass's token budget (`Scheduler.admit`): while
-    # other requests decode, it takes the scheduler's `long_prompt_chunk` a pass.
+    # other requests decode, it takes the scheduler's `long_prompt_chunk` in one pass of
+    # every `long_prompt_interval`, after waiting `long_prompt_wait` passes more.
     long_prompt: bool = False
+    long_prompt_wait: int = 0
     # Keys of the leading full blocks registered for prefix caching
     # (`BlockManager.register_full_blocks`).
     prefix_keys: list[PrefixKey] = field(default_factory=list)

@@ -446,9 +446,11 @@ def test_chunked_prefill_benchmark_smoke(tmp_path):
     for row in report["budgets"]:
         for key in ("alone_ttft_ms", "ttft_ms_p50", "ttft_ms_p99", "output_tokens_per_s",
                     "decode_tokens_per_s_before", "decode_tokens_per_s_during",
-                    "long_prompt_ttft_ms"):  # fmt: skip
+                    "decode_longest_wait_ms", "long_prompt_ttft_ms"):  # fmt: skip
             assert is_finite_number(row[key]) and row[key] > 0, (row, key)
         assert row["ttft_ms_p50"] <= row["ttft_ms_p99"]
+    assert [row["long_prompt_interval"] for row in report["budgets"]] == [1, 12]
     assert [t["met"] in (True, False) for t in report["targets"]] == [True, True]
     section = chunked_section(report)
-    assert "Smoke run" in section and "| whole prompts |" in section and "| 128 / 8 |" in section
+    assert "Smoke run" in section and "| whole prompts |" in section
+    assert "| 128 / 64 / 12 |" in section

@@ -14,12 +14,13 @@ from docs.tools.performance import (
 
 CHUNKED_FILE = "chunked-prefill-cpu.json"
 COLUMNS = [
-    "token budget / long prompt chunk",
+    "token budget / long prompt chunk / passes between chunks",
     "one request's TTFT ms",
     "burst TTFT p50 / p99 ms",
     "burst output tok/s",
     "decode tok/s before",
     "decode tok/s during",
+    "longest wait for a token ms",
     "long prompt TTFT ms",
 ]
 
@@ -34,12 +35,14 @@ def chunked_section(report: dict | None) -> str:
         [
             "whole prompts"
             if row["token_budget"] is None
-            else f"{row['token_budget']} / {row.get('long_prompt_chunk') or 'none'}",
+            else f"{row['token_budget']} / {row.get('long_prompt_chunk') or 'none'}"
+            f" / {row.get('long_prompt_interval', 1)}",
             f"{row['alone_ttft_ms']:.0f}",
             f"{row['ttft_ms_p50']:.0f} / {row['ttft_ms_p99']:.0f}",
             f"{row['output_tokens_per_s']:.1f}",
             f"{row['decode_tokens_per_s_before']:.1f}",
             f"{row['decode_tokens_per_s_during']:.1f}",
+            _optional(row, "decode_longest_wait_ms"),
             f"{row['long_prompt_ttft_ms']:.0f}",
         ]
         for row in report["budgets"]
@@ -55,9 +58,15 @@ def chunked_section(report: dict | None) -> str:
         + f"tokens) added at once, {burst['max_tokens']} greedy tokens each. **Long "
         + f"prompt:** {long['decoding_requests']} requests decoding when a "
         + f"{long['tokens']}-token prompt arrives: their decode rate before it and while "
-        + f"it is prefilled, and its own TTFT. {report['kept']}, of {report['rounds']} "
+        + "it is prefilled, their longest wait for a token meanwhile (the longest pass), "
+        + f"and its own TTFT. {report['kept']}, of {report['rounds']} "
         + "interleaved rounds.\n\n"
         + table(COLUMNS, rows)
         + "\n\n### Targets\n\n"
         + targets_list(report["targets"])
     )
+
+
+def _optional(row: dict, key: str) -> str:
+    """A column older results files lack."""
+    return f"{row[key]:.0f}" if key in row else "–"

@@ -123,7 +123,7 @@ def test_both_commands_default_to_it_and_the_files_own_format():
     for argv in (["serve"], ["generate", "hi"]):
         args = parser.parse_args(argv)
         assert (args.backend, args.weights, args.token_budget) == ("torch", "auto", 128)
-        assert args.long_prompt_chunk == 8
+        assert (args.long_prompt_chunk, args.long_prompt_interval) == (64, 12)
     assert parser.parse_args(["generate", "hi", "--backend", "spec"]).backend == "spec"
 
 

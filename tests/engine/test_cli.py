@@ -871,6 +871,21 @@ def test_bad_speculation_flags_exit_2_before_loading(flags, message):
     assert run.loads == []
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--token-budget", "-1"], r"--token-budget must be >= 0, got -1"),
+        (["--long-prompt-chunk", "-8"], r"--long-prompt-chunk must be >= 0, got -8"),
+        (["--long-prompt-interval", "0"], r"--long-prompt-interval must be >= 1, got 0"),
+    ],
+)
+def test_bad_budget_flags_exit_2_before_loading(command, flags, message):
+    run = run_cli(None, command, *(["hi"] if command == "generate" else []), *flags)
+    assert_usage_error(run, message)
+    assert run.loads == []
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -244,15 +244,17 @@ def test_a_single_request_is_the_spec_loop(workload, seed):
     naive=st.booleans(),
     token_budget=TOKEN_BUDGETS,
     long_prompt_chunk=st.sampled_from((None, 1, 2)),
+    long_prompt_interval=st.sampled_from((1, 2, 3)),
 )
 def test_requests_joining_and_leaving_are_each_the_spec_loop(
-    workload, seed, block_size, naive, token_budget, long_prompt_chunk
+    workload, seed, block_size, naive, token_budget, long_prompt_chunk, long_prompt_interval
 ):
     """Prompts whole or in chunks of a small token budget (chunked prefill), a long
-    prompt's chunks smaller still while others decode."""
+    prompt's chunks smaller still while others decode, and not in every pass."""
     weights = small_model(seed)
     engine = Engine(weights, ByteTokenizer(), block_size=block_size, naive=naive,
-                    token_budget=token_budget, long_prompt_chunk=long_prompt_chunk)  # fmt: skip
+                    token_budget=token_budget, long_prompt_chunk=long_prompt_chunk,
+                    long_prompt_interval=long_prompt_interval)  # fmt: skip
     check_all(engine, weights, *run_workload(engine, workload))
 
 

@@ -58,9 +58,10 @@ def scheduler(
     num_draft: int = 0,
     token_budget: int | None = None,
     long_prompt_chunk: int | None = None,
+    long_prompt_interval: int = 1,
 ) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size), MAX_CONTEXT, num_draft, token_budget,
-                     long_prompt_chunk)  # fmt: skip
+                     long_prompt_chunk, long_prompt_interval)  # fmt: skip
 
 
 def step(s: Scheduler, tokens: int = 7) -> list[Request]:
@@ -244,6 +245,41 @@ def test_a_long_prompt_takes_its_small_chunks_only_while_others_decode():
     assert chunked_step(s) == [(1, 8)]  # nobody decodes: the budget's worth
     assert chunked_step(s) == [(1, 6)]
     assert (b.num_cached, len(b.output_ids)) == (20, 1)
+
+
+def test_a_long_prompt_takes_a_chunk_in_one_pass_of_every_interval():
+    """Beside decoding requests, a long prompt takes `long_prompt_chunk` tokens in one
+    pass of every `long_prompt_interval`, the first at once, and none in the passes
+    between; once none decodes, the budget's worth every pass."""
+    s = scheduler(num_blocks=24, token_budget=8, long_prompt_chunk=3, long_prompt_interval=3)
+    a, b = request(0, 3, max_tokens=8), request(1, 20)
+    s.add(a)
+    assert chunked_step(s) == [(0, 3)]
+    s.add(b)
+    with_chunk, without = [(0, 1), (1, 3)], [(0, 1)]
+    assert [chunked_step(s) for _ in range(7)] == [with_chunk, without, without] * 2 + [with_chunk]
+    assert a.finish_reason == "length" and b.num_cached == 9
+    assert [chunked_step(s) for _ in range(2)] == [[(1, 8)], [(1, 3)]]  # nobody decodes
+    assert (b.num_cached, len(b.output_ids)) == (20, 1)
+
+
+def test_a_pass_the_budget_leaves_nothing_to_is_not_a_long_prompts_turn():
+    """With the budget all taken by decoding requests, a long prompt waits without
+    spending its turn: it takes its chunk in the first pass that has room."""
+    s = scheduler(num_blocks=24, token_budget=2, long_prompt_chunk=1, long_prompt_interval=2)
+    a, b, c = request(0, 1, max_tokens=4), request(1, 1, max_tokens=4), request(2, 12)
+    s.add(a)
+    assert chunked_step(s) == [(0, 1)]
+    s.add(c)
+    assert chunked_step(s) == [(0, 1), (2, 1)]
+    s.add(b)
+    assert chunked_step(s) == [(0, 1), (1, 1)]  # c's pass off
+    assert chunked_step(s) == [(0, 1), (1, 1)]  # a and b take the whole budget
+    assert a.finish_reason == "length" and c.num_cached == 1
+    assert chunked_step(s) == [(2, 1), (1, 1)]  # room for one: c's turn at once
+    assert chunked_step(s) == [(1, 1)]
+    assert b.finish_reason == "length"
+    assert chunked_step(s) == [(2, 2)]
 
 
 def test_a_prompt_chunk_emits_nothing_and_takes_no_drafts():
