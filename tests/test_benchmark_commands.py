@@ -445,7 +445,7 @@ def test_chunked_prefill_benchmark_smoke(tmp_path):
     assert [row["token_budget"] for row in report["budgets"]] == [None, 128]
     for row in report["budgets"]:
         for key in ("alone_ttft_ms", "ttft_ms_p50", "ttft_ms_p99", "output_tokens_per_s",
-                    "decode_tokens_per_s_before", "decode_tokens_per_s_during",
+                    "decode_tokens_per_s_without", "decode_tokens_per_s_during",
                     "decode_longest_wait_ms", "long_prompt_ttft_ms"):  # fmt: skip
             assert is_finite_number(row[key]) and row[key] > 0, (row, key)
         assert row["ttft_ms_p50"] <= row["ttft_ms_p99"]

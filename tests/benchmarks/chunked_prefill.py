@@ -12,9 +12,11 @@ this process: the scheduler's effect, without HTTP):
   alone, and the aggregate output tokens/s;
 - **long prompt**: 4 requests decoding; a prompt of `LONG_PROMPT` tokens
   arrives. The decode rate of the 4 while it is prefilled (their tokens over
-  the time from its arrival to its first token) against their rate before
-  it arrived, their longest wait for a token meanwhile (the longest pass),
-  and its own time to first token.
+  the time from its arrival to its first token), their longest wait for a
+  token meanwhile (the longest pass), and its own time to first token; against
+  their rate over as many passes in an engine where no long prompt arrives
+  (the same tokens at the same contexts: a rate measured before it arrived,
+  over a few passes at shorter contexts, swung with the machine's noise).
 
 Each configuration runs in every round (rounds interleaved, so that a slow spell of the
 machine falls on all) and keeps its best round. Each measurement gets an engine
@@ -112,25 +114,25 @@ def burst(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def long_prompt(engine: Engine, short: list[list[int]], long: list[int], max_tokens: int) -> dict:
-    """`short` requests decoding, then `long` arrives: their decode rate before it and
-    while it is prefilled, their longest wait for a token meanwhile, and its TTFT."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    running = [engine.add_request(p, params) for p in short]
-    while any(not engine.output(i).token_ids for i in running):  # every one decoding
-        engine.step()
-    before = _decode_rate(engine, running, steps=32)  # 8 left it to the noise of a busy machine
+def long_prompt(
+    engine: Engine, control: Engine, short: list[list[int]], long: list[int], max_tokens: int
+) -> dict:
+    """`short` requests decoding, then `long` arrives: their decode rate while it is
+    prefilled, their longest wait for a token meanwhile, and its TTFT; and their rate
+    over as many passes (32 at least) in `control`, an engine of the same settings
+    where no long prompt arrives: the same tokens at the same contexts, without it."""
+    running = _start_decoding(engine, short, max_tokens)
     arrival = time.perf_counter()
-    tokens_at_arrival = sum(len(engine.output(i).token_ids) for i in running)
+    tokens_at_arrival = _tokens(engine, running)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     newcomer = engine.add_request(long, one)
-    longest_pass = 0.0  # each decoding request gets a token every pass
+    passes, longest_pass = 0, 0.0  # each decoding request gets a token every pass
     while not engine.output(newcomer).token_ids:
         start = time.perf_counter()
         engine.step()
-        longest_pass = max(longest_pass, time.perf_counter() - start)
+        passes, longest_pass = passes + 1, max(longest_pass, time.perf_counter() - start)
     during_s = time.perf_counter() - arrival
-    during = sum(len(engine.output(i).token_ids) for i in running) - tokens_at_arrival
+    during = _tokens(engine, running) - tokens_at_arrival
     for i in running:
         engine.abort(i)
     while engine.has_unfinished():
@@ -138,21 +140,30 @@ def long_prompt(engine: Engine, short: list[list[int]], long: list[int], max_tok
     ttft = engine.release(newcomer).ttft_s
     for i in running:
         engine.release(i)
+    alone = _start_decoding(control, short, max_tokens)
+    start, tokens_at_start = time.perf_counter(), _tokens(control, alone)
+    for _ in range(max(passes, 32)):
+        control.step()
+    without = (_tokens(control, alone) - tokens_at_start) / (time.perf_counter() - start)
     return {
-        "decode_tokens_per_s_before": before,
+        "decode_tokens_per_s_without": without,
         "decode_tokens_per_s_during": during / during_s,
         "decode_longest_wait_ms": longest_pass * 1e3,
         "long_prompt_ttft_ms": ttft * 1e3,
     }
 
 
-def _decode_rate(engine: Engine, running: list[int], steps: int) -> float:
-    start_tokens = sum(len(engine.output(i).token_ids) for i in running)
-    start = time.perf_counter()
-    for _ in range(steps):
+def _start_decoding(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[int]:
+    """The prompts added, and passes run until each request has its first token."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    running = [engine.add_request(p, params) for p in prompts]
+    while any(not engine.output(i).token_ids for i in running):
         engine.step()
-    tokens = sum(len(engine.output(i).token_ids) for i in running) - start_tokens
-    return tokens / (time.perf_counter() - start)
+    return running
+
+
+def _tokens(engine: Engine, requests: list[int]) -> int:
+    return sum(len(engine.output(i).token_ids) for i in requests)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = {
                     "alone_ttft_ms": burst(fresh(config), prompts[:1], max_tokens)["ttft_ms_p50"],
                     **burst(fresh(config), prompts, max_tokens),
-                    **long_prompt(fresh(config), prompts[:DECODING], long, 4_000),
+                    **long_prompt(fresh(config), fresh(config), prompts[:DECODING], long, 4_000),
                 }
                 runs[config].append(result)
                 print(f"  round {round_ + 1}/{rounds} {config}: {result}", file=sys.stderr)
@@ -209,21 +220,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
     }
     default = best[DEFAULT]
-    during, before = default["decode_tokens_per_s_during"], default["decode_tokens_per_s_before"]
+    during, without = default["decode_tokens_per_s_during"], default["decode_tokens_per_s_without"]
     report["targets"] = [
         {"target": f"burst TTFT p99 at most 2x one request's (budget {DEFAULT_TOKEN_BUDGET})",
          "met": default["ttft_ms_p99"] <= 2 * default["alone_ttft_ms"]},
-        {"target": "decode rate while the long prompt arrives at least half of before",
-         "met": during >= 0.5 * before},
+        {"target": "decode rate while the long prompt arrives at least half of that without it",
+         "met": during >= 0.5 * without},
     ]  # fmt: skip
     write_json(args.out, report)
     print(f"{'budget':>12} {'alone':>8} {'p50':>8} {'p99':>8} {'tok/s':>7} "
-          f"{'dec before':>10} {'dec during':>10} {'wait ms':>8} {'long TTFT':>10}")  # fmt: skip
+          f"{'dec without':>11} {'dec during':>10} {'wait ms':>8} {'long TTFT':>10}")  # fmt: skip
     for config in configs:
         r = best[config]
         print(f"{config_label(*config):>12} {r['alone_ttft_ms']:8.0f} {r['ttft_ms_p50']:8.0f} "
               f"{r['ttft_ms_p99']:8.0f} {r['output_tokens_per_s']:7.1f} "
-              f"{r['decode_tokens_per_s_before']:10.1f} {r['decode_tokens_per_s_during']:10.1f} "
+              f"{r['decode_tokens_per_s_without']:11.1f} {r['decode_tokens_per_s_during']:10.1f} "
               f"{r['decode_longest_wait_ms']:8.0f} {r['long_prompt_ttft_ms']:10.0f}")  # fmt: skip
     print_targets(report["targets"])
     return 0
