@@ -58,15 +58,14 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
-# Chunked prefill's tokens per pass, and a long prompt's while others decode
+# Chunked prefill's tokens per pass, and a long prompt's chunks while others decode
 # (`scheduler.py`). On the bundled model, 2 cores (`make bench-chunked`,
 # results/chunked-prefill-cpu.json, best of 3 rounds): 16 short chats at once get their
-# first token at p50 / p99 223 / 332 ms with 128 (209 / 342 with 64, within this
-# machine's noise; 320 / 1,536 with 16); 4 requests decoding beside a
-# 2,000-token prompt keep about 40% of their rate with the chunk of 8 (95 of 211
-# tokens/s; 10 of 226 without it, 0.8 with prompts whole), and the prompt gets its first
-# token in 10.5 s (5.1 s whole, alone on the cores). A chunk of 4 keeps a little more at
-# twice the prompt's wait, 16 less.
+# first token at p50 / p99 193 / 287 ms with 128 (213 / 356 with 64, 213 / 431 with
+# 32); 4 requests decoding beside a 2,000-token prompt keep 53-64% of their rate
+# without it with 64 tokens every 12 passes (149 of 245 tokens/s), 45-51% with 8 every
+# pass, 5% with what the budget leaves, and the prompt gets its first token in
+# 10.0-12.3 s (8.8-9.8 with 8 every pass; 4.2 whole, alone on the cores).
 DEFAULT_TOKEN_BUDGET = 128
 DEFAULT_LONG_PROMPT_CHUNK = 64
 DEFAULT_LONG_PROMPT_INTERVAL = 12
