@@ -29,7 +29,7 @@ other requests decode; the whole budget's worth every pass otherwise (vLLM's
 `long_prefill_token_threshold` caps a long prompt's chunk likewise). On a CPU
 every prompt token a pass runs is time the decoding requests wait for their
 next token, and a pass with any of a long prompt's tokens also attends over
-its whole context so far: a chunk of 64 every 9 passes costs them less than
+its whole context so far: a chunk of 64 every 12 passes costs them less than
 one of 8 every pass, for the same progress. Short prompts are not capped: a
 burst of chats still gets its first tokens in a pass or two.
 
