@@ -82,7 +82,7 @@ SMOKE_NOTE = "--smoke: a few tokens, one round, two configurations; not measurem
 
 
 def config_label(budget: int | None, chunk: int | None, interval: int) -> str:
-    """ "128 / 64 / 9": the budget, the long prompt's chunk, the passes between chunks."""
+    """The label of a configuration: "128 / 64 / 12" (budget, chunk, passes between chunks)."""
     return "whole" if budget is None else f"{budget} / {chunk or 'none'} / {interval}"
 
 
