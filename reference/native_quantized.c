@@ -701,6 +701,23 @@ AVX2 static void int8_rows_avx2(const void *a, int64_t begin, int64_t end, int p
 }
 #endif
 
+typedef struct {
+    const void *x;
+    int64_t x_bf16, k, blocks;
+    int8_t *codes;
+    float *d, *d_sum;
+} quantize_args;
+
+/* quantize_row for rows [begin, end): a prompt's rows split among the threads, each
+ * row's codes and scales its own (the same bits on any thread). */
+static void quantize_rows(const void *a, int64_t begin, int64_t end, int part) {
+    const quantize_args *p = a;
+    (void)part;
+    for (int64_t r = begin; r < end; r++)
+        quantize_row(p->x, p->x_bf16, r, p->k, p->codes + r * p->k, p->d + r * p->blocks,
+                     p->d_sum + r * p->blocks);
+}
+
 /* y [M, N] = QUANT-A8-1's product of x [M, K] (contiguous float32, or bfloat16 when
  * x_bf16) and the quantized weight: 4-bit, `codes` its tiles (`pack_int4_tiles`; scales
  * and offsets are in them, the two pointers unused); 8-bit, the spec's layout. y
@@ -714,8 +731,9 @@ int quantized_product(const uint8_t *codes, const float *scales, const float *of
     if (!scratch) return -1;
     float *d = (float *)scratch, *d_sum = d + m * blocks;
     int8_t *x_codes = (int8_t *)(d_sum + m * blocks);
-    for (int64_t r = 0; r < m; r++)
-        quantize_row(x, x_bf16, r, k, x_codes + r * k, d + r * blocks, d_sum + r * blocks);
+    const quantize_args rows = {x, x_bf16, k, blocks, x_codes, d, d_sum};
+    /* a decode step's few rows take less than waking another thread */
+    parallel_parts(quantize_rows, &rows, m, 1, m >= 16 ? (int)threads : 1);
     product_args args = {codes, scales, offsets, bits, k, group, m, x_codes, d, d_sum, y, y_bf16,
                          n};
     task_fn units = product_scalar;
