@@ -222,6 +222,9 @@ AVX2 __attribute__((always_inline)) static inline __m256 exp_nonpositive8(__m256
     return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 
+/* exp_nonpositive8 for native_step.c's SiLU: a call, where the loops below inline it. */
+AVX2 __m256 exp_nonpositive_lanes(__m256 x) { return exp_nonpositive8(x); }
+
 /* The lane sums of four vectors, each as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). */
 AVX2 __attribute__((always_inline)) static inline __m128 sum_lanes4(const __m256 a[4]) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
