@@ -61,11 +61,11 @@ def _check_int(name: str, value: object, low: int) -> int:
 # Chunked prefill's tokens per pass, and a long prompt's chunks while others decode
 # (`scheduler.py`). On the bundled model, 2 cores (`make bench-chunked`,
 # results/chunked-prefill-cpu.json, best of 3 rounds): 16 short chats at once get their
-# first token at p50 / p99 193 / 287 ms with 128 (213 / 356 with 64, 213 / 431 with
-# 32); 4 requests decoding beside a 2,000-token prompt keep 53-64% of their rate
-# without it with 64 tokens every 12 passes (149 of 245 tokens/s), 45-51% with 8 every
-# pass, 5% with what the budget leaves, and the prompt gets its first token in
-# 10.0-12.3 s (8.8-9.8 with 8 every pass; 4.2 whole, alone on the cores).
+# first token at p50 / p99 189 / 284 ms with 128 (196 / 331 with 64, 212 / 432 with
+# 32); 4 requests decoding beside a 2,000-token prompt keep 56-70% of their rate
+# without it with 64 tokens every 12 passes (131 of 188 tokens/s), 43-47% with 8 every
+# pass, 6% with what the budget leaves, and the prompt gets its first token in
+# 11.4-12.2 s (10.1-10.9 with 8 every pass; 4.3 whole, alone on the cores).
 DEFAULT_TOKEN_BUDGET = 128
 DEFAULT_LONG_PROMPT_CHUNK = 64
 DEFAULT_LONG_PROMPT_INTERVAL = 12
