@@ -217,6 +217,13 @@ void parallel_parts(task_fn fn, const void *args, int64_t rows, int64_t align, i
     pthread_mutex_unlock(&pool.busy);
 }
 
+/* parallel_parts for loops of little work a row (activation codes, SiLU): a prompt's
+ * rows split among the threads, a decode step's few on this one, which they take less
+ * time than waking another. */
+void parallel_rows(task_fn fn, const void *args, int64_t rows, int threads) {
+    parallel_parts(fn, args, rows, 1, rows >= 16 ? threads : 1);
+}
+
 /* ---------------------------------------------------------------- QUANT-A8-1 */
 
 /* Blocks per float step of the 8-bit AVX2 loops: the integer sums of eight blocks are
@@ -732,8 +739,7 @@ int quantized_product(const uint8_t *codes, const float *scales, const float *of
     float *d = (float *)scratch, *d_sum = d + m * blocks;
     int8_t *x_codes = (int8_t *)(d_sum + m * blocks);
     const quantize_args rows = {x, x_bf16, k, blocks, x_codes, d, d_sum};
-    /* a decode step's few rows take less than waking another thread */
-    parallel_parts(quantize_rows, &rows, m, 1, m >= 16 ? (int)threads : 1);
+    parallel_rows(quantize_rows, &rows, m, (int)threads);
     product_args args = {codes, scales, offsets, bits, k, group, m, x_codes, d, d_sum, y, y_bf16,
                          n};
     task_fn units = product_scalar;

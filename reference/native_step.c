@@ -59,9 +59,9 @@ AVX2 __attribute__((always_inline)) static inline __m256 silu_mul8(__m256 g, __m
     return _mm256_mul_ps(_mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
 }
 
-/* o = silu(g) · u over n floats, eight at a time, where `expf` was a call per value (a
- * sixth of a prefill); the last ones through the same lanes, padded: each value's bits
- * are a function of its g and u alone. */
+/* o = silu(g) · u over n floats, eight at a time, where `expf` was a call per value;
+ * the last ones through the same lanes, padded: each value's bits are a function of
+ * its g and u alone. */
 AVX2 static void silu_mul_avx2(const float *g, const float *u, float *o, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -83,22 +83,25 @@ int native_avx2(void);
  * floats (FWD-MLP-1). */
 void silu_mul(const float *gate_up, int64_t stride, int64_t intermediate, float *out,
               int64_t tokens) {
+#if defined(__x86_64__)
+    if (native_avx2()) {
+        for (int64_t t = 0; t < tokens; t++)
+            silu_mul_avx2(gate_up + t * stride, gate_up + t * stride + intermediate,
+                          out + t * intermediate, intermediate);
+        return;
+    }
+#endif
     for (int64_t t = 0; t < tokens; t++) {
         const float *g = gate_up + t * stride, *u = g + intermediate;
         float *o = out + t * intermediate;
-#if defined(__x86_64__)
-        if (native_avx2()) {
-            silu_mul_avx2(g, u, o, intermediate);
-            continue;
-        }
-#endif
         for (int64_t i = 0; i < intermediate; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
-/* native_quantized.c's thread pool: fn over units [0, units) in parts numbered from 0. */
+/* native_quantized.c's thread pool: fn over rows [0, rows), split among the threads
+ * when there are a prompt's. */
 typedef void (*task_fn)(const void *args, int64_t begin, int64_t end, int part);
-void parallel_parts(task_fn fn, const void *args, int64_t units, int64_t align, int threads);
+void parallel_rows(task_fn fn, const void *args, int64_t rows, int threads);
 
 typedef struct {
     const float *gate_up;
@@ -106,9 +109,9 @@ typedef struct {
     float *out;
 } silu_args;
 
-/* silu_mul of tokens [begin, end): its rows split among the product's threads, each
- * row's arithmetic its own (the same bits on any thread). Single-threaded, it was a
- * sixth of a 500-token prefill's time, the other core idle. */
+/* silu_mul of tokens [begin, end): a prompt's rows split among the product's threads,
+ * each row's arithmetic its own (the same bits on any thread). On one thread it was
+ * about a sixth of a 500-token prefill, the other core idle. */
 static void silu_rows(const void *a, int64_t begin, int64_t end, int part) {
     const silu_args *p = a;
     (void)part;
@@ -229,8 +232,7 @@ int decoder_layers(const int64_t *table, const int64_t *caches, int64_t layers,
         add_rms_norm(x, out, hidden, (const float *)w[L_MLP_NORM], eps, h, tokens, hidden);
         failed |= product(w + L_GATE_UP, h, tokens, gate_up, threads);
         const silu_args silu = {gate_up, 2 * intermediate, intermediate, mlp};
-        /* a decode step's few rows take less than waking another thread */
-        parallel_parts(silu_rows, &silu, tokens, 1, tokens >= 16 ? (int)threads : 1);
+        parallel_rows(silu_rows, &silu, tokens, (int)threads);
         failed |= product(w + L_DOWN, mlp, tokens, out, threads);
         residual = out;
     }
