@@ -75,6 +75,13 @@ def _numpy(tensor: Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
+def _as_float16(array: np.ndarray) -> np.ndarray | None:
+    """float32 `array` in float16 when every value is a float16 one (so converts back
+    exactly), else None."""
+    halves = array.astype(np.float16)
+    return halves if np.array_equal(halves.astype(np.float32), array) else None
+
+
 def to_bfloat16(array: np.ndarray) -> Tensor:
     """float32 `array` as a contiguous bfloat16 tensor, as `Tensor.to(torch.bfloat16)`
     rounds it (to nearest, ties to even: `(u + 0x7FFF + ((u >> 16) & 1)) >> 16` on the
@@ -207,7 +214,11 @@ class ActivationQuantizedLinear:
     float32), the result `[M, N]` in `x`'s dtype: `spec.quant.activation_quantized_linear`
     within float32's tolerance, each row in the bits it has alone. A 4-bit weight is
     held in the C product's tiles (`pack_int4_tiles`: its codes, scales and offsets,
-    eight rows interleaved block by block), an 8-bit one in the spec's layout.
+    eight rows interleaved block by block), an 8-bit one in the spec's layout. Scales
+    and offsets that are all float16 values (GGUF's Q4_0, Q4_1 and Q8_0 fields) are
+    held in float16 (`half`), which converts back exactly: the same results from
+    fewer bytes, which a decode step reads once per token. An 8-bit weight whose
+    offsets are all zero holds none.
 
     Example:
         >>> from decodespec.spec.quant import quantize_weight
@@ -226,21 +237,30 @@ class ActivationQuantizedLinear:
         self.shape = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
         codes = weight.qweight.contiguous()
-        scales, offsets = weight.scales.float().contiguous(), weight.offsets.float().contiguous()
+        scales, offsets = _numpy(weight.scales.float()), _numpy(weight.offsets.float())
+        scales16, offsets16 = _as_float16(scales), _as_float16(offsets)
+        self.half = half = scales16 is not None and offsets16 is not None
+        if half:
+            scales, offsets = scales16, offsets16
+        scales = torch.from_numpy(np.ascontiguousarray(scales))
+        offsets = torch.from_numpy(np.ascontiguousarray(offsets))
         if weight.bits == 4:
-            self.held = torch.empty(lib.int4_tiles_bytes(*self.shape), dtype=torch.uint8)
+            tiles = torch.empty(lib.int4_tiles_bytes(*self.shape, half), dtype=torch.uint8)
             lib.pack_int4_tiles(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                *self.shape, weight.group_size, self.held.data_ptr())  # fmt: skip
-            held = (self.held.data_ptr(), 0, 0)  # the scales and offsets are in the tiles
+                                *self.shape, weight.group_size, half, tiles.data_ptr())  # fmt: skip
+            self.held = [tiles]
+            addresses = (tiles.data_ptr(), 0, 0)  # the scales and offsets are in the tiles
         else:
-            self.held = QuantizedWeight(codes, scales, offsets, weight.group_size, weight.bits)
-            held = (codes.data_ptr(), scales.data_ptr(), offsets.data_ptr())
+            self.held = [codes, scales] + ([offsets] if offsets.any() else [])
+            addresses = (codes.data_ptr(), scales.data_ptr(), self.held[-1].data_ptr())
+            if len(self.held) == 2:
+                addresses = (*addresses[:2], 0)  # no offsets: all zero
         # the weight's arguments of every call (native_step's too)
-        self.arguments = (*held, self.bits, *self.shape, self.group_size)
+        self.arguments = (*addresses, self.bits, *self.shape, self.group_size, half)
 
     @property
     def nbytes(self) -> int:
-        return self.held.nbytes
+        return sum(t.nbytes for t in self.held)
 
     def linear(self, x: Tensor) -> Tensor:
         if x.dtype not in (torch.float32, KERNEL_DTYPE):
@@ -257,9 +277,13 @@ class ActivationQuantizedLinear:
 
     def dequantize(self) -> Tensor:
         if self.bits == 8:
-            return self.held.dequantize()
+            codes, scales = self.held[:2]
+            offsets = self.held[2] if len(self.held) == 3 else torch.zeros_like(scales)
+            weight = QuantizedWeight(codes, scales.float(), offsets.float(), self.group_size, 8)
+            return weight.dequantize()
         dense = torch.empty(self.shape)
-        self.lib.dequantize_int4_tiles(self.held.data_ptr(), *self.shape, dense.data_ptr())
+        self.lib.dequantize_int4_tiles(self.held[0].data_ptr(), *self.shape, self.half,
+                                       dense.data_ptr())  # fmt: skip
         return dense
 
     def to(self, device: torch.device | str) -> ActivationQuantizedLinear:

@@ -45,12 +45,12 @@ _SIGNATURES = {
     "paged_attention": [_VOID_P, _I64, _I64, _I64, _I64, _F32, _VOID_P, _VOID_P, _I64, _VOID_P,
                         _I64, _VOID_P, _VOID_P, _I64, _VOID_P, _VOID_P, _I64],
     # native_quantized.c: the quantized projections (cpu_linear.py)
-    "quantized_product": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P, _I64,
-                          _I64, _VOID_P, _I64, _I64],
+    "quantized_product": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _I64, _VOID_P,
+                          _I64, _I64, _VOID_P, _I64, _I64],
     "quantize_activations": [_VOID_P, _I64, _I64, _VOID_P, _VOID_P],
-    "int4_tiles_bytes": [_I64, _I64],
-    "pack_int4_tiles": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _VOID_P],
-    "dequantize_int4_tiles": [_VOID_P, _I64, _I64, _VOID_P],
+    "int4_tiles_bytes": [_I64, _I64, _I64],
+    "pack_int4_tiles": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P],
+    "dequantize_int4_tiles": [_VOID_P, _I64, _I64, _I64, _VOID_P],
 }  # fmt: skip
 _RESULTS = {"quantized_product": ctypes.c_int, "decoder_layers": ctypes.c_int,
             "paged_attention": ctypes.c_int, "int4_tiles_bytes": ctypes.c_int64,

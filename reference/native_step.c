@@ -173,22 +173,23 @@ static int attention(const float *qkv, int64_t qkv_stride, const float *bias, in
 }
 
 /* native_quantized.c: QUANT-A8-1's product, y [m, n] = x [m, k] · W (float32 here). */
-int quantized_product(const uint8_t *codes, const float *scales, const float *offsets,
-                      int64_t bits, int64_t n, int64_t k, int64_t group, const void *x,
-                      int64_t x_bf16, int64_t m, void *y, int64_t y_bf16, int64_t threads);
+int quantized_product(const uint8_t *codes, const void *scales, const void *offsets,
+                      int64_t bits, int64_t n, int64_t k, int64_t group, int64_t half,
+                      const void *x, int64_t x_bf16, int64_t m, void *y, int64_t y_bf16,
+                      int64_t threads);
 
 /* A layer's row of `decoder_layers`' table: its four projections as quantized weights
  * (WEIGHT_FIELDS each: codes, scales, offsets addresses; bits, rows, columns, group
- * size), then the addresses of its two norms' weights and of its q, k and v biases
+ * size, half), then the addresses of its two norms' weights and of its q, k and v biases
  * side by side (0: none). native_step.py writes it. */
-enum { W_CODES, W_SCALES, W_OFFSETS, W_BITS, W_ROWS, W_COLUMNS, W_GROUP, WEIGHT_FIELDS };
+enum { W_CODES, W_SCALES, W_OFFSETS, W_BITS, W_ROWS, W_COLUMNS, W_GROUP, W_HALF, WEIGHT_FIELDS };
 enum { L_QKV = 0, L_O = WEIGHT_FIELDS, L_GATE_UP = 2 * WEIGHT_FIELDS, L_DOWN = 3 * WEIGHT_FIELDS,
        L_ATTN_NORM = 4 * WEIGHT_FIELDS, L_MLP_NORM, L_BIAS, LAYER_FIELDS };
 
 static int product(const int64_t *w, const float *x, int64_t tokens, float *y, int64_t threads) {
-    return quantized_product((const uint8_t *)w[W_CODES], (const float *)w[W_SCALES],
-                             (const float *)w[W_OFFSETS], w[W_BITS], w[W_ROWS], w[W_COLUMNS],
-                             w[W_GROUP], x, 0, tokens, y, 0, threads);
+    return quantized_product((const uint8_t *)w[W_CODES], (const void *)w[W_SCALES],
+                             (const void *)w[W_OFFSETS], w[W_BITS], w[W_ROWS], w[W_COLUMNS],
+                             w[W_GROUP], w[W_HALF], x, 0, tokens, y, 0, threads);
 }
 
 /* Every decoder layer of the decode step for the packed tokens (FWD-LAYER-1), on the

@@ -207,6 +207,23 @@ def test_siblings_of_one_input_share_a_kernel_call_and_equal_their_own(bits):
 
 
 F32_RTOL = RELATIVE.rtol[torch.float32]  # QUANT-TOL-1
+# How a weight's scales and offsets are drawn: float32 values (held in float32),
+# float16 values (held in float16, as GGUF's), and float16 values with the 8-bit
+# weight's offsets nonzero (which it then holds).
+FIELDS = ("float32", "float16", "float16, offsets")
+
+
+def with_fields(weight: QuantizedWeight, fields: str, seed: int = 0) -> QuantizedWeight:
+    """`weight` with scales and offsets as `fields` says (see FIELDS)."""
+    if fields == "float32":
+        return weight
+    offsets = weight.offsets
+    if fields == "float16, offsets":
+        g = torch.Generator().manual_seed(seed)
+        offsets = offsets + torch.randn(offsets.shape, generator=g) * weight.scales.abs()
+    halves = dataclasses.replace(weight, scales=weight.scales.half().float(),
+                                 offsets=offsets.half().float())  # fmt: skip
+    return halves
 
 
 def a8_error(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> float:
@@ -228,21 +245,25 @@ def a8_error(out: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> flo
     group_size=st.sampled_from((32, 64, 96)),
     tokens=st.integers(1, 150),
     dtype=st.sampled_from((torch.float32, torch.bfloat16, torch.float16)),
+    fields=st.sampled_from(FIELDS),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_the_c_product_computes_the_activation_quantized_linear(
-    bits, rows, groups, group_size, tokens, dtype, seed
+    bits, rows, groups, group_size, tokens, dtype, fields, seed
 ):
     """`ActivationQuantizedLinear` (`native_quantized.c`'s integer product) against the
-    definition at float32's tolerance, whatever the activations' dtype and the number
-    of tokens; and each row's product is the row's alone (computed by itself: the same
-    bits)."""
+    definition at float32's tolerance, whatever the activations' dtype, the number of
+    tokens and the scales' and offsets' values (held in float16 where they all are
+    float16 values); and each row's product is the row's alone (computed by itself: the
+    same bits)."""
     g = torch.Generator().manual_seed(seed)
     columns = groups * group_size
     group = group_size if bits == 4 else columns
     weight = quantize_weight(torch.randn(rows, columns, generator=g), bits=bits, group_size=group)
+    weight = with_fields(weight, fields, seed)
     kernel = cpu_linear.pack(weight)
     assert isinstance(kernel, cpu_linear.ActivationQuantizedLinear)
+    assert kernel.half == (fields != "float32")
     x = (torch.randn(tokens, columns, generator=g) * 3).to(dtype)
     out = kernel.linear(x)
     assert out.shape == (tokens, rows) and out.dtype == dtype
@@ -252,31 +273,64 @@ def test_the_c_product_computes_the_activation_quantized_linear(
 
 
 CHUNK_CASES = [
-    (bits, per_group, blocks)
+    (bits, per_group, blocks, fields)
     for bits, per_group in ((4, 1), (4, 2), (8, 1), (8, None))
     for blocks in (1, 6, 7, 8, 9, 16, 18, 20, 23)
+    for fields in (FIELDS[:2] if bits == 4 else FIELDS)
     if per_group is None or blocks % per_group == 0
 ]
 
 
 @pytest.mark.clause("QUANT-A8-1", "QUANT-TOL-1")
-@pytest.mark.parametrize(("bits", "blocks_per_group", "blocks"), CHUNK_CASES)
-def test_the_c_product_at_each_chunk_boundary(bits, blocks_per_group, blocks):
+@pytest.mark.parametrize(("bits", "blocks_per_group", "blocks", "fields"), CHUNK_CASES)
+def test_the_c_product_at_each_chunk_boundary(bits, blocks_per_group, blocks, fields):
     """The 8-bit AVX2 loops sum eight blocks to a vector and take the blocks past the
     last whole chunk one at a time; the 4-bit tiles go block by block, their scales laid
     out per block: K of 1 to 23 blocks, groups of one block (GGUF's), two, and whole
-    rows (per-channel int8), 37 weight rows (a last tile of five), against the
+    rows (per-channel int8), 37 weight rows (a last tile of five), scales and offsets
+    held in float32 and in float16 (8-bit: with and without offsets), against the
     definition at float32's tolerance; a row of the five (four of them computed
     together) has the bits it has alone."""
     g = torch.Generator().manual_seed(blocks * 10 + bits)
     columns = blocks * 32
     group = columns if blocks_per_group is None else blocks_per_group * 32
     weight = quantize_weight(torch.randn(37, columns, generator=g), bits=bits, group_size=group)
+    weight = with_fields(weight, fields, blocks)
     kernel = cpu_linear.pack(weight)
+    assert kernel.half == (fields != "float32")
     x = torch.randn(5, columns, generator=g) * 3
     out = kernel.linear(x)
     assert a8_error(out, x, weight) < F32_RTOL
     assert torch.equal(kernel.linear(x[2:3]), out[2:3])
+
+
+@pytest.mark.clause("QUANT-A8-1")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fields", FIELDS[1:])
+def test_float16_fields_give_the_bits_of_float32_ones(bits, fields, monkeypatch):
+    """A weight whose scales and offsets are float16 values (GGUF's) is held with them
+    in float16, a sixth fewer bytes (4-bit tiles; 8-bit weights without offsets hold
+    none), and its products have the bits of the same weight held in float32, at 1 to
+    9 tokens (every row count of the tiles' loops) and 40 (threaded)."""
+    g = torch.Generator().manual_seed(bits)
+    group = 32 if bits == 4 else 64
+    weight = quantize_weight(torch.randn(45, 192, generator=g), bits=bits, group_size=group)
+    weight = with_fields(weight, fields)
+    half = cpu_linear.pack(weight)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_linear, "_as_float16", lambda _array: None)
+        full = cpu_linear.pack(weight)
+    assert half.half and not full.half
+    if bits == 4:  # a tile's block: 128 bytes of codes, 8 scales and 8 offsets
+        assert half.nbytes * 192 == full.nbytes * 160
+    else:  # codes, then 3 scales a row and 3 offsets where they are not all zero
+        fields_held = 2 if fields == "float16, offsets" else 1
+        assert full.nbytes == 45 * (192 + 3 * 4 * fields_held)
+        assert half.nbytes == 45 * (192 + 3 * 2 * fields_held)
+    x = torch.randn(40, 192, generator=g) * 3
+    for tokens in (*range(1, 10), 40):
+        assert torch.equal(half.linear(x[:tokens]), full.linear(x[:tokens])), tokens
+    assert torch.equal(half.dequantize(), weight.dequantize())
 
 
 @pytest.mark.clause("QUANT-A8-1")
@@ -362,6 +416,7 @@ def test_the_scalar_loops_of_cpus_without_avx2_compute_it_too():
          f"{here}::test_the_c_product_computes_the_activation_quantized_linear",
          f"{here}::test_the_c_products_threads_serve_two_callers_and_a_forked_child",
          f"{here}::test_the_c_product_at_each_chunk_boundary",
+         f"{here}::test_float16_fields_give_the_bits_of_float32_ones",
          f"{here}::test_the_c_activation_codes_are_the_specs_bit_for_bit",
          "tests/engine/test_batch_invariance.py::"
          "test_a_row_blocked_quantized_projection_gives_each_row_the_same_bits",
@@ -370,27 +425,34 @@ def test_the_scalar_loops_of_cpus_without_avx2_compute_it_too():
         timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
-    # 3 property tests, the chunk cases, 16 row-blocked cases and 18 tile cases: none skipped
-    assert f"{3 + len(CHUNK_CASES) + 16 + 18} passed" in run.stdout, run.stdout[-1000:]
+    # 3 property tests, the chunk cases, 4 float16 cases, 16 row-blocked cases and 18
+    # tile cases: none skipped
+    assert f"{3 + len(CHUNK_CASES) + 4 + 16 + 18} passed" in run.stdout, run.stdout[-1000:]
 
 
 @pytest.mark.clause("QUANT-GROUP-1", "QUANT-CODES-1")
 @pytest.mark.parametrize("rows", [1, 8, 13])
 @pytest.mark.parametrize("group_size", [32, 64, 96])
-def test_the_int4_tiles_hold_the_weight_bit_for_bit(rows, group_size):
+@pytest.mark.parametrize("float16", [False, True])
+def test_the_int4_tiles_hold_the_weight_bit_for_bit(rows, group_size, float16):
     """`native_quantized.c`'s 4-bit tiles (`pack_int4_tiles`: eight rows interleaved,
     the last tile padded) dequantized by `dequantize_int4_tiles` against
     `spec.quant.dequantize_weight`: every code, scale and offset where it belongs, with
-    scales and offsets of both signs and zero."""
+    scales and offsets of both signs and zero; held in float32, or in float16 when
+    float16 values (normal, subnormal and the largest)."""
     g = torch.Generator().manual_seed(rows * group_size)
     columns = group_size * 3
     codes = torch.randint(0, 16, (rows, columns), generator=g)
     scales = torch.randn(rows, 3, generator=g)
     offsets = torch.randn(rows, 3, generator=g)
     scales[0, 0], offsets[-1, 1] = 0.0, -0.0
+    if float16:
+        scales, offsets = scales.half().float(), offsets.half().float()
+        scales[-1, 2], offsets[0, 1] = 2.0**-24 * 5, -65504.0  # subnormal, the largest
     weight = QuantizedWeight(pack_codes(codes, bits=4), scales, offsets, group_size, 4)
     kernel = cpu_linear.pack(weight)
     assert isinstance(kernel, cpu_linear.ActivationQuantizedLinear)
+    assert kernel.half == float16
     assert torch.equal(kernel.dequantize(), weight.dequantize())
 
 
