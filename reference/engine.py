@@ -61,11 +61,11 @@ def _check_int(name: str, value: object, low: int) -> int:
 # Chunked prefill's tokens per pass, and a long prompt's chunks while others decode
 # (`scheduler.py`). On the bundled model, 2 cores (`make bench-chunked`,
 # results/chunked-prefill-cpu.json, best of 3 rounds): 16 short chats at once get their
-# first token at p50 / p99 189 / 284 ms with 128 (196 / 331 with 64, 212 / 432 with
-# 32); 4 requests decoding beside a 2,000-token prompt keep 56-70% of their rate
-# without it with 64 tokens every 12 passes (131 of 188 tokens/s), 43-47% with 8 every
+# first token at p50 / p99 182 / 278 ms with 128 (225 / 357 with 64, 184 / 389 with
+# 32); 4 requests decoding beside a 2,000-token prompt keep 62-65% of their rate
+# without it with 64 tokens every 12 passes (135 of 218 tokens/s), 43-45% with 8 every
 # pass, 6% with what the budget leaves, and the prompt gets its first token in
-# 11.4-12.2 s (10.1-10.9 with 8 every pass; 4.3 whole, alone on the cores).
+# 11.0-12.4 s (8.8-11.3 with 8 every pass; 4.8 whole, alone on the cores).
 DEFAULT_TOKEN_BUDGET = 128
 DEFAULT_LONG_PROMPT_CHUNK = 64
 DEFAULT_LONG_PROMPT_INTERVAL = 12
