@@ -251,10 +251,10 @@ class ActivationQuantizedLinear:
             self.held = [tiles]
             addresses = (tiles.data_ptr(), 0, 0)  # the scales and offsets are in the tiles
         else:
-            self.held = [codes, scales] + ([offsets] if offsets.any() else [])
-            addresses = (codes.data_ptr(), scales.data_ptr(), self.held[-1].data_ptr())
-            if len(self.held) == 2:
-                addresses = (*addresses[:2], 0)  # no offsets: all zero
+            held_offsets = [offsets] if offsets.any() else []  # none: all zero
+            self.held = [codes, scales, *held_offsets]
+            addresses = (codes.data_ptr(), scales.data_ptr(),
+                         offsets.data_ptr() if held_offsets else 0)  # fmt: skip
         # the weight's arguments of every call (native_step's too)
         self.arguments = (*addresses, self.bits, *self.shape, self.group_size, half)
 

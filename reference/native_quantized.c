@@ -86,6 +86,11 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
+/* Scale or offset i of an array of them: float16 when `half`, else float32. */
+static inline float field_at(const void *fields, int64_t half, int64_t i) {
+    return half ? half_to_float(((const uint16_t *)fields)[i]) : ((const float *)fields)[i];
+}
+
 static inline uint16_t float_to_bf16(float f) { /* round to nearest, ties to even */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -403,9 +408,7 @@ static inline int tile_code(const uint8_t *block, int64_t r, int e) {
 }
 
 static inline float tile_scale(const uint8_t *block, int64_t r, int64_t half, int which) {
-    const uint8_t *fields = block + TILE_CODES;
-    const int64_t i = which * TILE_ROWS + r;
-    return half ? half_to_float(((const uint16_t *)fields)[i]) : ((const float *)fields)[i];
+    return field_at(block + TILE_CODES, half, which * TILE_ROWS + r);
 }
 
 /* w [n, k] float32 = the tiles' weights dequantized (QUANT-GROUP-1: s · q + o, two
@@ -491,28 +494,20 @@ __attribute__((always_inline)) static inline block_fields int8_block_fields(
     const product_args *p, int64_t n, int avx2, float *scales, float *offsets) {
     const int64_t blocks = p->k / BLOCK, groups = p->k / p->group, per_group = p->group / BLOCK;
     const int64_t first = n * groups;
-    if (!p->half) {
-        const float *ws = (const float *)p->scales + first;
-        const float *wo = p->offsets ? (const float *)p->offsets + first : NULL;
-        if (per_group == 1 && wo) return (block_fields){ws, wo};
-        for (int64_t b = 0; b < blocks; b++) {
-            scales[b] = ws[b / per_group];
-            offsets[b] = wo ? wo[b / per_group] : 0.0f;
-        }
-        return (block_fields){scales, offsets};
-    }
-    const uint16_t *hs = (const uint16_t *)p->scales + first;
-    const uint16_t *ho = p->offsets ? (const uint16_t *)p->offsets + first : NULL;
-    if (per_group == 1) {
-        widen_halves(hs, blocks, scales, avx2);
-        if (ho)
-            widen_halves(ho, blocks, offsets, avx2);
+    if (per_group == 1 && !p->half && p->offsets)
+        return (block_fields){(const float *)p->scales + first,
+                              (const float *)p->offsets + first};
+    if (per_group == 1 && p->half) {
+        widen_halves((const uint16_t *)p->scales + first, blocks, scales, avx2);
+        if (p->offsets)
+            widen_halves((const uint16_t *)p->offsets + first, blocks, offsets, avx2);
         else
             memset(offsets, 0, sizeof(float) * (size_t)blocks);
         return (block_fields){scales, offsets};
     }
     for (int64_t g = 0, b = 0; g < groups; g++) {
-        const float scale = half_to_float(hs[g]), offset = ho ? half_to_float(ho[g]) : 0.0f;
+        const float scale = field_at(p->scales, p->half, first + g);
+        const float offset = p->offsets ? field_at(p->offsets, p->half, first + g) : 0.0f;
         for (int64_t j = 0; j < per_group; j++, b++) scales[b] = scale, offsets[b] = offset;
     }
     return (block_fields){scales, offsets};

@@ -305,16 +305,17 @@ def test_the_c_product_at_each_chunk_boundary(bits, blocks_per_group, blocks, fi
 
 
 @pytest.mark.clause("QUANT-A8-1")
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 64)])
 @pytest.mark.parametrize("fields", FIELDS[1:])
-def test_float16_fields_give_the_bits_of_float32_ones(bits, fields, monkeypatch):
+def test_float16_fields_give_the_bits_of_float32_ones(bits, group, fields, monkeypatch):
     """A weight whose scales and offsets are float16 values (GGUF's) is held with them
     in float16, a sixth fewer bytes (4-bit tiles; 8-bit weights without offsets hold
     none), and its products have the bits of the same weight held in float32, at 1 to
-    9 tokens (every row count of the tiles' loops) and 40 (threaded)."""
+    9 tokens (every row count of the tiles' loops) and 40 (threaded); 8-bit groups of
+    one block (widened eight at a time, then the rest) and of two."""
     g = torch.Generator().manual_seed(bits)
-    group = 32 if bits == 4 else 64
-    weight = quantize_weight(torch.randn(45, 192, generator=g), bits=bits, group_size=group)
+    columns = 320  # 10 blocks
+    weight = quantize_weight(torch.randn(45, columns, generator=g), bits=bits, group_size=group)
     weight = with_fields(weight, fields)
     half = cpu_linear.pack(weight)
     with monkeypatch.context() as patch:
@@ -323,11 +324,11 @@ def test_float16_fields_give_the_bits_of_float32_ones(bits, fields, monkeypatch)
     assert half.half and not full.half
     if bits == 4:  # a tile's block: 128 bytes of codes, 8 scales and 8 offsets
         assert half.nbytes * 192 == full.nbytes * 160
-    else:  # codes, then 3 scales a row and 3 offsets where they are not all zero
-        fields_held = 2 if fields == "float16, offsets" else 1
-        assert full.nbytes == 45 * (192 + 3 * 4 * fields_held)
-        assert half.nbytes == 45 * (192 + 3 * 2 * fields_held)
-    x = torch.randn(40, 192, generator=g) * 3
+    else:  # codes, then a row's scales and its offsets where they are not all zero
+        groups, fields_held = columns // group, 2 if fields == "float16, offsets" else 1
+        assert full.nbytes == 45 * (columns + groups * 4 * fields_held)
+        assert half.nbytes == 45 * (columns + groups * 2 * fields_held)
+    x = torch.randn(40, columns, generator=g) * 3
     for tokens in (*range(1, 10), 40):
         assert torch.equal(half.linear(x[:tokens]), full.linear(x[:tokens])), tokens
     assert torch.equal(half.dequantize(), weight.dequantize())
@@ -425,9 +426,9 @@ def test_the_scalar_loops_of_cpus_without_avx2_compute_it_too():
         timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
-    # 3 property tests, the chunk cases, 4 float16 cases, 16 row-blocked cases and 18
+    # 3 property tests, the chunk cases, 6 float16 cases, 16 row-blocked cases and 18
     # tile cases: none skipped
-    assert f"{3 + len(CHUNK_CASES) + 4 + 16 + 18} passed" in run.stdout, run.stdout[-1000:]
+    assert f"{3 + len(CHUNK_CASES) + 6 + 16 + 18} passed" in run.stdout, run.stdout[-1000:]
 
 
 @pytest.mark.clause("QUANT-GROUP-1", "QUANT-CODES-1")
