@@ -4,9 +4,11 @@ Each check is a function of a `Context` registered with the clause it observes.
 It returns an `Outcome`: "pass", "fail" (with the evidence: the requests and
 excerpts of the responses), or "not supported" (the server refused a parameter
 with a 4xx, or does not return what the check needs). A 5xx answer to a valid
-request is a fail: the server broke, it did not decline. Checks of a single
-answer live here; checks of the sampling distribution in `check_sampling.py`;
-the teacher-forced comparison with the spec's forward pass in `check_weights.py`.
+request is a fail: the server broke, it did not decline; so is a 200 that is
+not the API's shape, with its body in the detail and the evidence. Checks of a
+single answer live here; checks of the sampling distribution in
+`check_sampling.py`; the teacher-forced comparison with the spec's forward pass
+in `check_weights.py`.
 
 The checks use only what the API returns: texts, finish reasons, usage, and the
 logprobs the server itself reports (both the legacy completions form and the
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 import jsonschema
 
-from .check_client import BudgetExhaustedError, Client, Exchange
+from .check_client import BRIEF_CHARS, BudgetExhaustedError, Client, Exchange
 
 PROMPT = "The capital of France is"
 STORY = "Once upon a time, in a small village by the sea,"
@@ -76,12 +78,31 @@ class RefusedError(Exception):
         return failed(f"{what}: HTTP {e.status or 'no answer'}: {message}", e)
 
 
+class MalformedAnswerError(Exception):
+    """A 200 whose body is not the OpenAI API's shape (no choices, not JSON, a
+    choice's text not a string): the check fails with this exchange as its
+    evidence, and its detail shows the body, what came instead of an answer."""
+
+    def __init__(self, exchange: Exchange, problem: str) -> None:
+        super().__init__(problem)
+        self.exchange = exchange
+
+    def outcome(self, what: str) -> Outcome:
+        return failed(
+            f"{what}: HTTP 200 but not the OpenAI API's shape ({self}): "
+            f"{self.exchange.excerpt(BRIEF_CHARS)}",
+            self.exchange,
+        )
+
+
 def _error_message(exchange: Exchange) -> str:
+    """The error's message in the body (OpenAI's `error.message`, FastAPI's
+    `detail`), else the body itself, else what went wrong."""
     body = exchange.body if isinstance(exchange.body, dict) else {}
     error = body.get("error", body.get("detail", ""))
     if isinstance(error, dict):
         error = error.get("message", "")
-    return str(error or exchange.error)[:200]
+    return str(error or exchange.excerpt(BRIEF_CHARS))[:BRIEF_CHARS]
 
 
 @dataclass
@@ -123,6 +144,13 @@ def _positions(logprobs: dict | None) -> list[Position] | None:
     ]
 
 
+def _has_choices(exchange: Exchange) -> bool:
+    """Whether the body, or one of the stream's events, holds a choice."""
+    if exchange.events:
+        return any(event.get("choices") for event in exchange.events)
+    return isinstance(exchange.body, dict) and bool(exchange.body.get("choices"))
+
+
 def answer(exchange: Exchange) -> Answer:
     """A completion's first choice, whole or streamed (chunks joined)."""
     if exchange.events:
@@ -162,12 +190,18 @@ class Context:
         return self.client.call("/chat/completions", body | params)
 
     def ok(self, exchange: Exchange) -> Answer:
-        """The exchange's answer; RefusedError unless it is a 200 with a choice."""
-        if not exchange.ok or not isinstance(exchange.body or {}, dict):
+        """The exchange's answer: RefusedError unless it is a 200, MalformedAnswerError
+        unless the 200 is the API's shape (a choice, whole or among the events)."""
+        if exchange.status != 200:
             raise RefusedError(exchange)
-        if not exchange.events and not (exchange.body or {}).get("choices"):
-            raise RefusedError(exchange)
-        return answer(exchange)
+        if exchange.error:
+            raise MalformedAnswerError(exchange, exchange.error)
+        try:
+            if not _has_choices(exchange):
+                raise MalformedAnswerError(exchange, "no choices")
+            return answer(exchange)
+        except MALFORMED as error:
+            raise MalformedAnswerError(exchange, repr(error)) from error
 
     def greedy(self, prompt: str | list[int] = PROMPT, **params: object) -> tuple[Answer, Exchange]:
         exchange = self.complete(prompt, temperature=0, **params)
@@ -202,8 +236,8 @@ def check(name: str, clause: str) -> Callable:
 def run_check(function: Callable[[Context], Outcome], context: Context) -> Outcome:
     try:
         return function(context)
-    except RefusedError as refused:
-        return refused.outcome("a request of this check")
+    except (RefusedError, MalformedAnswerError) as error:
+        return error.outcome("a request of this check")
     except BudgetExhaustedError as error:
         return Outcome("not supported", f"not run: {error}")
     except MALFORMED as error:

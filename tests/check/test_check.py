@@ -5,14 +5,19 @@ A broken server is the real one behind an ASGI layer that rewrites each request
 before the engine sees it (drops `stop`, drops `seed`, ...), or answers it
 itself: every check must notice the clause it names going missing. Plus the
 parts that need no server: parsing both logprobs forms, the chi-square limit,
-the loopback guard, the request budget.
+the loopback guard, the request budget. Small stdlib servers on 127.0.0.1 stand
+for the APIs that are not OpenAI's: the command must find OpenAI's with or
+without `/v1` in the URL, and stop with the URLs it tried where there is none.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from scipy import stats
@@ -169,7 +174,8 @@ def test_a_refused_parameter_is_not_supported_not_a_fail(server, capsys):
 
 @pytest.mark.parametrize("content", [b"[1, 2]", b'{"choices": [{"text": 7}]}', b"not json"])
 def test_a_malformed_answer_is_a_fail_not_a_crash(server, capsys, content):
-    """A 200 whose body is not the API's shape fails the check that read it."""
+    """A 200 whose body is not the API's shape fails the check that read it, and
+    the body shows in its detail and its evidence."""
     server.state["mutate"] = lambda body: (200, content)
     try:
         code, report = run_check(server, capsys, "--model", "smollm2", "--only",
@@ -178,6 +184,8 @@ def test_a_malformed_answer_is_a_fail_not_a_crash(server, capsys, content):
         server.state["mutate"] = keep
     (result,) = report["checks"]
     assert result["outcome"] == "fail" and code == 1, result
+    assert content.decode() in result["detail"]
+    assert [e["response"] for e in result["evidence"]] == [content.decode()]
 
 
 def test_the_api_key_is_sent_and_never_printed(server, capsys):
@@ -251,3 +259,148 @@ def test_an_only_that_matches_no_check_is_refused(capsys):
                      "--only", "no such check"])  # fmt: skip
     assert code == 2
     assert "no check's name or clause contains 'no such check'" in capsys.readouterr().err
+
+
+# ------------------------------------------------ servers that are not (only) OpenAI's
+
+MODELS = {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "x"}]}
+COMPLETION = {
+    "id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+    "choices": [{"index": 0, "text": " Paris", "finish_reason": "length", "logprobs": None}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+}  # fmt: skip
+NATIVE_MODELS = {"models": [{"name": "m", "model": "m"}]}  # Ollama's /api/tags shape
+NATIVE_COMPLETION = {"content": " Paris", "stop": True, "tokens_predicted": 1, "id_slot": 0}
+# llama-server: OpenAI's model list at its root and under /v1, OpenAI's completions
+# under /v1 only, its own at /completions
+LLAMA_SERVER = {
+    "/models": MODELS, "/completions": NATIVE_COMPLETION,
+    "/v1/models": MODELS, "/v1/completions": COMPLETION,
+}  # fmt: skip
+
+
+@contextmanager
+def fake_api(routes: dict[str, object]) -> Iterator[str]:
+    """A server on 127.0.0.1 that answers a GET or POST to each path of `routes`
+    with 200 and its value (JSON, or bytes as they are), any other path with a
+    plain-text 404. Yields its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.answer()
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.answer()
+
+        def answer(self) -> None:
+            found = routes.get(self.path)
+            if found is None:
+                status, body, kind = 404, b"File Not Found", "text/plain"
+            elif isinstance(found, bytes):
+                status, body, kind = 200, found, "text/html"
+            else:
+                status, body, kind = 200, json.dumps(found).encode(), "application/json"
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:  # quiet
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+def check_at(url: str, capsys, *args: str) -> tuple[int, dict]:
+    """`decodespec check --json` at `url` with one cheap check; its exit code and report."""
+    capsys.readouterr()
+    code = cli.main(["check", "--base-url", url, "--json", "--only", "temperature 0 repeats",
+                     *args])  # fmt: skip
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_the_url_without_v1_finds_decodespec_serve(server, capsys):
+    """`decodespec serve` speaks OpenAI under /v1 only: its bare URL finds it."""
+    server.state["mutate"] = keep
+    code, report = check_at(server.url, capsys)
+    assert (report["base_url"], report["base_url_given"]) == (server.base_url, server.url)
+    assert [c["outcome"] for c in report["checks"]] == ["pass"] and code == 0, report
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_the_checks_run_under_v1_not_at_another_apis_root(capsys, suffix):
+    """llama-server's root answers OpenAI's model list but its own /completions:
+    with or without /v1 in the URL, the checks run under /v1, and pass."""
+    with fake_api(LLAMA_SERVER) as url:
+        code, report = check_at(url + suffix, capsys)
+    assert (report["base_url"], report["base_url_given"]) == (url + "/v1", url + suffix)
+    assert [c["outcome"] for c in report["checks"]] == ["pass"] and code == 0, report
+
+
+@pytest.mark.parametrize("suffix", ["", "/"])
+def test_a_server_speaking_openai_at_its_root_is_found_there(capsys, suffix):
+    with fake_api({"/models": MODELS, "/completions": COMPLETION}) as url:
+        code, report = check_at(url + suffix, capsys)
+    assert report["base_url"] == url
+    assert [c["outcome"] for c in report["checks"]] == ["pass"] and code == 0, report
+
+
+def test_the_table_names_the_base_url_used(capsys):
+    with fake_api(LLAMA_SERVER) as url:
+        capsys.readouterr()
+        code = cli.main(["check", "--base-url", url, "--only", "temperature 0 repeats"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"{url}/v1 (from --base-url {url})  model 'm'") and code == 0
+
+
+@pytest.mark.parametrize("suffix", ["", "/v1"])
+def test_a_server_without_the_openai_api_is_a_usage_error_naming_the_urls(capsys, suffix):
+    """No check runs against another API: the command stops with each URL it tried
+    and what that URL answered."""
+    with fake_api({"/models": NATIVE_MODELS, "/completions": NATIVE_COMPLETION}) as url:
+        capsys.readouterr()
+        code = cli.main(["check", "--base-url", url + suffix, "--json"])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == ""
+    assert f"no OpenAI API at {url}{suffix}" in out.err
+    assert f"GET {url}/v1/models answered HTTP 404: File Not Found" in out.err
+    if suffix == "":
+        assert f"GET {url}/models answered HTTP 200: {json.dumps(NATIVE_MODELS)}" in out.err
+    else:
+        assert f"GET {url}/models" not in out.err, "a URL ending in /v1 is taken as it is"
+
+
+STREAM = "streamed text is the whole text"
+
+
+@pytest.mark.parametrize(
+    ("answer", "only", "shown"),
+    [
+        (NATIVE_COMPLETION, "temperature 0 repeats", json.dumps(NATIVE_COMPLETION)),
+        (b"<html>busy</html>", "temperature 0 repeats", "<html>busy</html>"),
+        (b"", "temperature 0 repeats", "(an empty body)"),
+        (COMPLETION, STREAM, json.dumps(COMPLETION)),  # JSON where events were asked for
+    ],
+    ids=["another-api", "not-json", "empty", "not-a-stream"],
+)
+def test_a_failing_checks_evidence_shows_the_body(capsys, answer, only, shown):
+    """A 200 that is not an OpenAI answer fails the check, and what came instead
+    is in its detail and its evidence, never an empty excerpt."""
+    routes = {"/v1/models": MODELS, "/v1/completions": answer}
+    with fake_api(routes) as url:
+        capsys.readouterr()
+        code = cli.main(["check", "--base-url", url + "/v1", "--json", "--only", only])
+        (result,) = json.loads(capsys.readouterr().out)["checks"]
+    assert result["outcome"] == "fail" and code == 1, result
+    assert "not the OpenAI API's shape" in result["detail"] and shown in result["detail"]
+    assert shown in [e["response"] for e in result["evidence"]], result["evidence"]
