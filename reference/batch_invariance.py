@@ -13,12 +13,19 @@ every backend:
 - every projection, the output one included, multiplies a multiple of
   `ROW_STEP` rows when it has fewer than `ROW_BLOCK`: the rest are zero rows,
   whose outputs are dropped (`RowBlockLinear`); a quantized one multiplies at
-  most `ROW_BLOCK` rows a call, the row counts the tests check (the C product's
-  rows are their own at any count; PyTorch's weight-only kernels, where the C
-  library cannot be had, are another matter). A row's bits then depend on the
-  row alone — measured on PyTorch 2.13's CPU GEMM for M = 1 … 2,048 and the
-  model's shapes, and checked by `tests/engine/test_batch_invariance.py` on the
-  machine that runs it;
+  most `ROW_BLOCK` rows a call. That a row's bits then depend on the row alone
+  is a premise about the machine's GEMM, not a property of PyTorch: it held on
+  the development machine's CPU (an AMD EPYC, AVX2: PyTorch 2.13's CPU GEMM
+  for M = 1 … 2,048 and the model's shapes) and failed on an Intel Xeon
+  (AVX-512), whose GEMM sums a row in another order among 16 rows than among 4.
+  So the engine checks it where it runs (`require_row_invariance`): every
+  product of the model that goes through PyTorch (a dense GEMM, the spec's
+  quantized definition, PyTorch's weight-only kernels) is measured once per
+  process and shape (`row_invariance`), and where a row's bits change with
+  the row count the engine refuses the mode (`BatchInvarianceUnavailable`).
+  The C library's quantized product (int4 and int8 weights on the torch
+  backend, `cpu_linear.ActivationQuantizedLinear`) computes each row alone
+  by construction, on any machine, and is not measured;
 - the KV append is the spec's own, and attention computes every query row as a
   sequence of its own (`rows_alone`): a row's bits would otherwise depend on
   how many rows its sequence has in the pass (ATTN-INVARIANT-1), which a cached
@@ -35,14 +42,17 @@ every backend:
 
 The norms, RoPE and the MLP's elementwise steps already compute each row by
 itself. `Engine(batch_invariant=True)`, `--batch-invariant` on
-`generate` and `serve`.
+`generate` and `serve` (a refusal is their error, exit status 2).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import fields, replace
+import platform
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -50,17 +60,35 @@ from torch import Tensor
 
 from decodespec.spec import append, attention
 from decodespec.spec.forward import ModelWeights, Weight
+from decodespec.spec.quant import QuantizedWeight
 
-from . import native_attention
+from . import cpu_linear, native_attention, native_library
 from .backend import SPEC_BACKEND, Backend
 from .native_library import NativeUnavailable
+from .weight_formats import describe
 
 # A projection multiplies its rows as they are from ROW_BLOCK rows up; fewer are
-# padded to a multiple of ROW_STEP, whose rows come out in the same bits (measured:
-# 1, 2, 3, 5, 6, 9 or 10 rows do not, and padding all to 16 costs 16x at batch 1).
+# padded to a multiple of ROW_STEP, whose rows come out in the same bits where the
+# premise holds (measured on the development machine: 1, 2, 3, 5, 6, 9 or 10 rows do
+# not, and padding all to 16 costs 16x at batch 1; `row_invariance` checks it here).
 ROW_BLOCK = 16
 ROW_STEP = 4
+# The row counts `row_invariance` multiplies a row among, through `RowBlockLinear` as
+# the mode does: 2, 5, 10 and 15 are padded to GEMMs of 4, 8, 12 and 16 rows; from 16
+# up a dense projection multiplies them as they are (`checked_rows`).
+CHECKED_ROWS = (2, 5, 10, 15, 16, 17, 33, 100, 257)
+# Beyond 33 rows, a row count is checked where its GEMM costs at most this many flops
+# (2 M N K): every count for the projections of a model like the bundled one, up to 33
+# for its 49,152-row output projection, whose GEMM of 257 rows would take seconds.
+CHECK_FLOPS = 10**9
 T = TypeVar("T")
+
+
+def dense_product(x: Tensor, weight: Tensor) -> Tensor:
+    """`x @ weight.T`: the GEMM through which `RowBlockLinear` multiplies a dense weight,
+    and `row_invariance` the spec's dequantized definition (a name of its own, so that
+    a test can stand a machine's GEMM in for it)."""
+    return x @ weight.T
 
 
 class RowBlockLinear:
@@ -96,7 +124,7 @@ class RowBlockLinear:
 
     def _product(self, x: Tensor) -> Tensor:
         if isinstance(self.unwrapped, Tensor):
-            return x @ self.unwrapped.T
+            return dense_product(x, self.unwrapped)
         if x.shape[0] > ROW_BLOCK:
             # A long pass goes to a quantized kernel `ROW_BLOCK` rows at a time, each
             # block's rows in the bits they have in any block.
@@ -233,4 +261,233 @@ def batch_invariant_backend(backend: Backend) -> Backend:
             for op in backend.kernel_ops
             if op not in ("paged_attention", "append_kv", "quantized_linear")
         ),
+    )
+
+
+class BatchInvarianceUnavailable(ValueError):
+    """The mode's premise fails on this machine for these weights and this backend: a
+    row's bits through one of their projections depend on how many rows share the
+    call (`require_row_invariance` says which, and what works instead)."""
+
+
+@dataclass(frozen=True)
+class RowInvariance:
+    """What `row_invariance` measured for one product: `product` says what multiplies
+    (e.g. "float32 GEMM [512, 256]"), `rows` the row counts a row was multiplied among,
+    `disagreeing` those at which it came out in other bits than alone."""
+
+    product: str
+    rows: tuple[int, ...]
+    disagreeing: tuple[int, ...]
+
+    @property
+    def holds(self) -> bool:
+        return not self.disagreeing
+
+
+def measure_rows(
+    weight: Weight,
+    dtype: torch.dtype = torch.float32,
+    rows: Sequence[int] | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    product: str = "",
+) -> RowInvariance:
+    """Whether a row through `RowBlockLinear(weight)` comes out in its bits alone among
+    each of `rows` rows, as the mode multiplies it (uncached: `row_invariance`).
+
+    A random row `dtype` on `device` is multiplied alone (padded to `ROW_STEP` rows)
+    and then as the first, middle and last row of each batch of `rows` (default
+    `checked_rows`), the others random; a batch where any of the three differs from
+    alone in any bit disagrees. `weight` is a dense `[N, K]` tensor or anything with
+    `shape` and `linear`."""
+    blocked = RowBlockLinear(weight)
+    if rows is None:
+        rows = checked_rows(blocked.shape, dense=isinstance(weight, Tensor))
+    columns = blocked.shape[1]
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(count: int) -> Tensor:
+        return torch.randn(count, columns, generator=generator).to(device=device, dtype=dtype)
+
+    probe = draw(1)
+    disagreeing = []
+    with torch.no_grad():
+        alone = blocked.linear(probe)[0]
+        for count in rows:
+            batch = draw(count)
+            places = sorted({0, count // 2, count - 1})
+            batch[places] = probe
+            out = blocked.linear(batch)
+            if not all(torch.equal(out[place], alone) for place in places):
+                disagreeing.append(count)
+    return RowInvariance(product or f"{list(blocked.shape)}", tuple(rows), tuple(disagreeing))
+
+
+def checked_rows(shape: Sequence[int], *, dense: bool = True) -> tuple[int, ...]:
+    """The `CHECKED_ROWS` that `measure_rows` tries for a projection `[N, K]`: up to 33
+    (16 + 16 + 1) all, beyond only a dense one's whose GEMM costs at most `CHECK_FLOPS`.
+    A quantized projection multiplies `ROW_BLOCK` rows a call at most: a longer batch
+    would only repeat the calls of 16 rows and of the rest padded.
+
+    Example:
+        >>> checked_rows((576, 576)), checked_rows((49152, 576))[-1]
+        ((2, 5, 10, 15, 16, 17, 33, 100, 257), 33)
+    """
+    n, k = shape
+
+    def checked(rows: int) -> bool:
+        return rows <= 2 * ROW_BLOCK + 1 or (dense and 2 * rows * n * k <= CHECK_FLOPS)
+
+    return tuple(filter(checked, CHECKED_ROWS))
+
+
+class _Definition:
+    """`spec.quant.quantized_linear`'s GEMM for a quantized weight: its dequantized
+    weights (a contiguous `[N, K]`, as the definition makes them every call) multiplied
+    in the compute dtype. The same GEMM call, without dequantizing it again each time."""
+
+    def __init__(self, weight: QuantizedWeight, compute: torch.dtype) -> None:
+        self.dense = weight.dequantize().to(compute).contiguous()
+        self.shape, self.compute = tuple(weight.shape), compute
+
+    def linear(self, x: Tensor) -> Tensor:
+        return dense_product(x.to(self.compute), self.dense).to(x.dtype)
+
+
+# row_invariance's verdicts, by product (kind, shape, dtype, layout, device, threads)
+_VERDICTS: dict[tuple, RowInvariance] = {}
+
+
+def row_invariance(
+    weight: Weight, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> RowInvariance | None:
+    """`measure_rows` for one of the model's projections in the mode (a
+    `RowBlockLinear` or what it wraps) with activations `dtype` on `device`, measured
+    once per process for each product: its kind, shape, dtypes and layout, the device
+    and PyTorch's thread count (what a GEMM's choice of kernel depends on; the weights'
+    values are not). None for the C library's product (`ActivationQuantizedLinear`),
+    which computes every row alone by construction.
+
+    What is measured is the product the mode runs: a dense weight through the GEMM, a
+    spec-defined quantized one (the spec backend's, the triton backend's in the mode,
+    any off the CPU) through its dequantized weights' float32 GEMM, PyTorch's CPU
+    weight-only kernels (the torch backend's where the C library cannot be had) and
+    anything else through its own `linear`."""
+    weight = weight.unwrapped if isinstance(weight, RowBlockLinear) else weight
+    member = isinstance(weight, cpu_linear.SharedInputMember)
+    kernel = weight.shared.kernel if member else weight
+    if isinstance(kernel, cpu_linear.ActivationQuantizedLinear):
+        return None
+    shape, device = list(kernel.shape), torch.device(device)
+    rows, subject = checked_rows(shape, dense=False), lambda: weight
+    if isinstance(weight, Tensor):
+        what = f"{str(weight.dtype).removeprefix('torch.')} GEMM {shape}"
+        key: tuple = ("dense", weight.dtype, weight.stride())
+        rows = checked_rows(shape)
+    elif isinstance(weight, QuantizedWeight):
+        compute = torch.promote_types(dtype, torch.float32)
+        what = (f"int{weight.bits} by the spec's definition, a "
+                f"{str(compute).removeprefix('torch.')} GEMM {shape}")  # fmt: skip
+        key = ("definition", weight.bits, compute)
+        subject = lambda: _Definition(weight, compute)  # noqa: E731
+    elif isinstance(kernel, (cpu_linear.CpuInt4Linear, cpu_linear.CpuInt8Linear)):
+        what = f"int{kernel.bits} by PyTorch's weight-only kernel {shape}"
+        key = (type(kernel).__name__, kernel.group_size)
+    else:
+        what = f"{type(kernel).__name__} {shape}"
+        key = (type(kernel).__name__, getattr(kernel, "bits", None),
+               getattr(kernel, "group_size", None))  # fmt: skip
+    key = (*key, tuple(shape), dtype, str(device), torch.get_num_threads())
+    if key not in _VERDICTS:
+        _VERDICTS[key] = measure_rows(subject(), dtype, rows, device=device, product=what)
+    return _VERDICTS[key]
+
+
+def premise_failures(weights: ModelWeights) -> list[tuple[tuple[str, ...], RowInvariance]]:
+    """The products of `weights` (prepared by the mode's backend) through which a row's
+    bits depend on how many rows share the call on this machine, each with the names
+    of the projections it multiplies (`q_proj`, ..., `output`); empty where the
+    premise holds."""
+    named = [(f.name, getattr(layer, f.name)) for layer in weights.layers for f in fields(layer)
+             if f.name.endswith("_proj")]  # fmt: skip
+    found: dict[str, tuple[list[str], RowInvariance]] = {}
+    for name, weight in [*named, ("output", weights.output)]:
+        if weight is None:
+            continue
+        verdict = row_invariance(weight, weights.dtype, weights.device)
+        if verdict is None or verdict.holds:
+            continue
+        names = found.setdefault(verdict.product, ([], verdict))[0]
+        if name not in names:
+            names.append(name)
+    return [(tuple(names), verdict) for names, verdict in found.values()]
+
+
+def require_row_invariance(backend: str, *models: ModelWeights | None) -> None:
+    """Refuse the mode where its premise fails here for `models` (the model and its
+    draft model, prepared by the `backend`'s mode and row-blocked).
+
+    Raises:
+        BatchInvarianceUnavailable: naming the weights and backend, the machine's
+            evidence (which row counts gave a row other bits, through which
+            product and projections) and what works instead.
+    """
+    for model in models:
+        if model is None:
+            continue
+        failures = premise_failures(model)
+        if failures:
+            raise BatchInvarianceUnavailable(_refusal(backend, model, failures))
+
+
+def _machine(device: torch.device) -> str:
+    """PyTorch's GEMM on `device`, in a few words: the CPU, its vector unit, the BLAS."""
+    if device.type == "cuda":
+        return f"PyTorch {torch.__version__}'s GEMM on {torch.cuda.get_device_name(device)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        cpu = names[0].strip() if names else cpu
+    except OSError:
+        pass
+    found = re.search(r"BLAS_INFO=(\w+)", torch.__config__.show())
+    blas, isa = found[1] if found else "?", torch.backends.cpu.get_cpu_capability()
+    return f"PyTorch {torch.__version__}'s CPU GEMM on {cpu} ({isa}, BLAS {blas})"
+
+
+def _what_works() -> str:
+    """The configuration whose projections need no premise, and whether it can be had."""
+    works = (
+        "int4 or int8 weights on the torch backend on the CPU (`--weights int4 --backend "
+        "torch`, the commands' defaults for the bundled model; `Engine(convert_weights("
+        "weights, 'int4'), tokenizer, backend='torch', batch_invariant=True)`): the C "
+        "library multiplies their projections (QUANT-A8-1), each row alone at any row count"
+    )
+    try:
+        if native_library.disabled():
+            raise NativeUnavailable("DECODESPEC_NATIVE=0")
+        native_library.library()
+    except NativeUnavailable as why:
+        return f"{works}; but the C library cannot be had here ({why})"
+    return works
+
+
+def _refusal(backend: str, model: ModelWeights, failures: list) -> str:
+    """One line: what is refused and why, the evidence by row counts, what works."""
+    by_rows: dict[tuple, list[str]] = {}
+    for names, verdict in failures:
+        products = by_rows.setdefault((verdict.rows, verdict.disagreeing), [])
+        products.append(f"{', '.join(names)} ({verdict.product})")
+    evidence = "; ".join(
+        f"a row alone and among {', '.join(map(str, rows))} rows gave other bits among "
+        f"{', '.join(map(str, disagreeing))} through {', '.join(products)}"
+        for (rows, disagreeing), products in by_rows.items()
+    )
+    return (
+        f"batch-invariant mode refused for {describe(model)}, backend {backend}: the mode pads "
+        f"a projection's rows to a multiple of {ROW_STEP} below {ROW_BLOCK} on the premise "
+        f"that a row's bits then do not depend on the row count, which this machine's GEMM "
+        f"breaks. Measured on {_machine(model.device)}: {evidence}. What works: "
+        f"{_what_works()}."
     )

@@ -35,7 +35,7 @@ from decodespec.spec.token_mask import bitmask_words
 
 from . import cpu_linear, native_step
 from .backend import check_backend_device, get_backend
-from .batch_invariance import batch_invariant_backend, row_blocked
+from .batch_invariance import batch_invariant_backend, require_row_invariance, row_blocked
 from .block_manager import BlockManager, NaiveBlockManager
 from .cache import PagedKVCache
 from .drafters import Drafter, make_drafter
@@ -99,7 +99,8 @@ class Engine:
             (the default) or "xgrammar" (`grammar_backends.py`).
         batch_invariant: a request's tokens and logprobs are bitwise the same
             alone or in any batch, with or without a cached prefix
-            (`batch_invariance.py`).
+            (`batch_invariance.py`); `BatchInvarianceUnavailable` (a ValueError)
+            where this machine's GEMM breaks the mode's premise for these weights.
         token_budget: about how many tokens a pass runs (chunked prefill,
             `scheduler.py`): decoding requests one each, prompts in chunks of
             what is left; None runs every prompt whole in one pass, as naive
@@ -180,6 +181,8 @@ class Engine:
         if batch_invariant:
             weights = row_blocked(weights)
             draft_model = row_blocked(draft_model) if draft_model is not None else None
+            # the mode's premise, measured on this machine: refused where it fails
+            require_row_invariance(self.backend.name, weights, draft_model)
         self.weights = weights
         self.sampler = Sampler(self.backend, self.config.vocab_size, self.eos_token_ids)
         self.grammar_compiler = GrammarCompiler(tokenizer, self.config.vocab_size, grammar_backend)

@@ -1,21 +1,45 @@
 """Batch-invariant mode (`Engine(batch_invariant=True)`, `reference/batch_invariance.py`):
 a seeded request's tokens and every logprob are bitwise the same alone, in a batch of
-any composition, after a cached prefix, and with speculative decoding (issue 40)."""
+any composition, after a cached prefix, and with speculative decoding (issue 40).
+
+The mode rests on a premise about the machine's GEMM (a row's bits do not depend on
+how many rows share the call, once padded to a multiple of `ROW_STEP`), which holds on
+some CPUs and not on others (issue 58). No test here asserts it: the premise check is
+tested against stand-in GEMMs that keep and break it, and each engine test asserts the
+bits where the check passes on this machine and a clear refusal where it fails."""
 
 from __future__ import annotations
+
+import contextlib
+import io
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decodespec.reference import cpu_linear, native_attention
+from decodespec.reference import (
+    batch_invariance,
+    cli,
+    cli_generate,
+    cli_serve,
+    cpu_linear,
+    native_attention,
+)
+from decodespec.reference.backend import get_backend
 from decodespec.reference.batch_invariance import (
+    CHECKED_ROWS,
     ROW_BLOCK,
     ROW_STEP,
+    BatchInvarianceUnavailable,
     RowBlockLinear,
+    batch_invariant_backend,
+    checked_rows,
+    measure_rows,
     one_thread,
+    premise_failures,
     row_blocked,
+    row_invariance,
     rows_alone,
 )
 from decodespec.reference.engine import Engine
@@ -67,36 +91,173 @@ def bits(output) -> list:
     return [(lp.token_id, lp.logprob, lp.rank, tuple(lp.top)) for lp in output.logprobs]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 10, 12, 15, 16, 17, 33, 100, 600])
+def mode_engine(weights, backend: str = "spec", **options) -> Engine | None:
+    """`Engine(weights, backend=backend, batch_invariant=True, **options)` where the mode's
+    premise check passes on this machine for these weights and backend. Where it fails,
+    asserts that the engine refuses, naming the weights, the backend, every failing
+    product with its row counts and what works instead, and returns None."""
+    prepared = batch_invariant_backend(get_backend(backend)).prepare_weights(weights)
+    failures = premise_failures(prepared)
+
+    def engine() -> Engine:
+        return Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True, **options)
+
+    if not failures:
+        return engine()
+    with pytest.raises(BatchInvarianceUnavailable) as refusal:
+        engine()
+    assert_clear_refusal(str(refusal.value), weights, backend, failures)
+    return None
+
+
+def assert_clear_refusal(message: str, weights, backend: str, failures) -> None:
+    assert message.startswith(f"batch-invariant mode refused for {describe(weights)}")
+    assert f", backend {backend}: " in message and "Measured on PyTorch " in message
+    for names, verdict in failures:
+        rows, disagreeing = (", ".join(map(str, r)) for r in (verdict.rows, verdict.disagreeing))
+        assert f"a row alone and among {rows} rows gave other bits among {disagreeing}" in message
+        assert f"{', '.join(names)} ({verdict.product})" in message
+    assert "What works: int4 or int8 weights on the torch backend" in message
+
+
+def row_by_row(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A GEMM that keeps the premise by construction: every row its own call."""
+    return torch.cat([row[None] @ weight.T for row in x])
+
+
+def split_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each row's products summed in another order: its two halves of `K` apart, then
+    added (as a split-K kernel sums them)."""
+    half = x.shape[1] // 2
+    return row_by_row(x[:, :half], weight[:, :half]) + row_by_row(x[:, half:], weight[:, half:])
+
+
+def split_from_16_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A GEMM like the failing machine's (issue 58): from 16 rows up it sums each row's
+    products in another order than below."""
+    return row_by_row(x, weight) if x.shape[0] < ROW_BLOCK else split_sums(x, weight)
+
+
+def odd_rows_differ(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A GEMM that sums in another order below `ROW_BLOCK` rows off the multiples of
+    `ROW_STEP` (the development machine's: 1, 2, 3, 5, ... rows in other bits than 4, 8,
+    12 and 16 or more)."""
+    if x.shape[0] < ROW_BLOCK and x.shape[0] % ROW_STEP:
+        return split_sums(x, weight)
+    return row_by_row(x, weight)
+
+
+class Quantized:
+    """A stand-in quantized projection (not a tensor: `RowBlockLinear` gives it at most
+    `ROW_BLOCK` rows a call) whose product is `gemm`'s."""
+
+    def __init__(self, weight: torch.Tensor, gemm) -> None:
+        self.weight, self.gemm, self.shape = weight, gemm, tuple(weight.shape)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.weight)
+
+
 @pytest.mark.parametrize("shape", [(512, 256), (256, 512), (4096, 256)])
-def test_a_row_blocked_projection_gives_each_row_the_same_bits(rows, shape):
-    """The premise of the mode, checked on the machine that runs it: a row's product
-    through `RowBlockLinear` does not depend on how many rows share the call, nor on
-    what the others hold, nor on where the row sits."""
+def test_the_premise_check_finds_a_row_invariant_gemm_invariant(shape, monkeypatch):
+    """Against a GEMM that computes every row alone, the check reports agreement at every
+    row count it tries, below `ROW_BLOCK` and beyond (a dense weight's up to 257 rows,
+    a quantized one's those that are other calls: 16 rows a call)."""
+    monkeypatch.setattr(batch_invariance, "dense_product", row_by_row)
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    dense = measure_rows(weight, product="dense")
+    assert dense.holds and dense.disagreeing == () and dense.rows == CHECKED_ROWS
+    assert max(CHECKED_ROWS) > 2 * ROW_BLOCK and min(CHECKED_ROWS) < ROW_STEP
+    quantized = measure_rows(Quantized(weight, row_by_row))
+    assert quantized.holds and quantized.rows == checked_rows(shape, dense=False)
+    assert quantized.rows == (2, 5, 10, 15, 16, 17, 33)
+    # A GEMM whose bits change at row counts off the multiples of ROW_STEP keeps the
+    # premise too: the padding is what the mode does about it.
+    monkeypatch.setattr(batch_invariance, "dense_product", odd_rows_differ)
+    assert measure_rows(weight).holds
+    assert not torch.equal(odd_rows_differ(weight[:3], weight), row_by_row(weight[:3], weight))
+
+
+@pytest.mark.parametrize("shape", [(512, 256), (256, 512), (4096, 256)])
+def test_the_premise_check_catches_a_gemm_whose_sums_depend_on_the_row_count(shape, monkeypatch):
+    """Against a GEMM that sums in another order from 16 rows up, the check reports
+    exactly the row counts that reach it: 15 (padded to 16) and more."""
+    monkeypatch.setattr(batch_invariance, "dense_product", split_from_16_rows)
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    verdict = measure_rows(weight, product="the stand-in")
+    assert not verdict.holds
+    assert verdict.disagreeing == tuple(r for r in CHECKED_ROWS if r > ROW_BLOCK - ROW_STEP)
+    assert verdict.product == "the stand-in"
+    quantized = measure_rows(Quantized(weight, split_from_16_rows))
+    assert quantized.disagreeing == (15, 16, 17, 33)
+
+
+def test_the_premise_check_measures_the_modes_products_once(models, monkeypatch):
+    """`row_invariance` measures each of a model's products the way the mode runs it, once
+    per process and product: the dense GEMMs in float32, the spec's int4 definition by
+    its dequantized weights' GEMM (the same bits as the definition), and never the C
+    library's product, which computes each row alone by construction. Its verdicts are
+    those of measuring again (whatever this machine's GEMM does)."""
+    monkeypatch.setattr(batch_invariance, "_VERDICTS", {})
+    for fmt, backend in (("float32", "spec"), ("int4", "spec"), ("int4", "torch")):
+        prepared = batch_invariant_backend(get_backend(backend)).prepare_weights(models[fmt])
+        blocked = row_blocked(prepared)
+        verdicts = {row_invariance(layer.q_proj, torch.float32) for layer in blocked.layers}
+        if backend == "torch":  # the C product (QUANT-A8-1): nothing to measure
+            assert "QUANT-A8-1" in cpu_linear.products(prepared)
+            assert verdicts == {None} and row_invariance(blocked.output, torch.float32) is None
+            assert premise_failures(blocked) == []
+            continue
+        (verdict,) = verdicts  # one measurement for the layers' equal shapes
+        assert verdict is row_invariance(blocked.layers[0].q_proj, torch.float32)  # cached
+        definition = "int4 by the spec's definition, a " if fmt == "int4" else ""
+        assert verdict.product == f"{definition}float32 GEMM [256, 256]"
+        assert verdict.rows == checked_rows((256, 256), dense=fmt == "float32")
+        q_proj = prepared.layers[0].q_proj
+        if fmt == "int4":
+            standin = batch_invariance._Definition(q_proj, torch.float32)
+            x = torch.randn(5, 256)
+            assert torch.equal(standin.linear(x), q_proj.linear(x))
+        assert measure_rows(q_proj, rows=verdict.rows).disagreeing == verdict.disagreeing
+        failing = {v.product for _, v in premise_failures(blocked)}
+        assert (verdict.product in failing) == (not verdict.holds)
+    assert len(batch_invariance._VERDICTS) == 10  # 5 shapes: float32 and int4's
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 15, 16, 17, 33, 100])
+def test_a_row_blocked_projection_computes_the_product(rows):
+    """Padding and blocks change no value: `RowBlockLinear` gives every row the product
+    (dense, and quantized in blocks of `ROW_BLOCK` rows), in the input's rows."""
     g = torch.Generator().manual_seed(rows)
-    weight = RowBlockLinear(torch.randn(shape, generator=g))
-    row = torch.randn(1, shape[1], generator=g)
-    alone = weight.linear(row)
-    batch = torch.randn(rows, shape[1], generator=g)
-    position = rows // 2
-    batch[position] = row[0]
-    assert torch.equal(weight.linear(batch)[position], alone[0])
-    assert torch.allclose(alone, row @ weight.unwrapped.T, rtol=1e-4, atol=1e-3)
+    weight = torch.randn(512, 256, generator=g)
+    x = torch.randn(rows, 256, generator=g)
+    assert torch.allclose(RowBlockLinear(weight).linear(x), x @ weight.T, rtol=1e-4, atol=1e-3)
+    quantized = quantize_weight(weight, bits=4, group_size=32)
+    assert torch.allclose(RowBlockLinear(quantized).linear(x), quantized.linear(x),
+                          rtol=1e-4, atol=1e-3)  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 100])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_blocked_quantized_projection_gives_each_row_the_same_bits(rows, bits):
-    """The same for the quantized projections (the C product where it can be had)."""
+    """The torch backend's quantized projections: the C product computes each row alone
+    (by construction, on any machine), so a row has the same bits among any rows; where
+    the C library cannot be had, PyTorch's kernels do as the premise check says."""
     g = torch.Generator().manual_seed(rows)
     group = 32 if bits == 4 else 256
     quantized = quantize_weight(torch.randn(512, 256, generator=g), bits=bits, group_size=group)
-    weight = RowBlockLinear(cpu_linear.pack(quantized))
+    kernel = cpu_linear.pack(quantized)
+    weight = RowBlockLinear(kernel)
     row = torch.randn(1, 256, generator=g)
     alone = weight.linear(row)
     batch = torch.randn(rows, 256, generator=g)
     batch[rows // 2] = row[0]
-    assert torch.equal(weight.linear(batch)[rows // 2], alone[0])
+    same = torch.equal(weight.linear(batch)[rows // 2], alone[0])
+    if isinstance(kernel, cpu_linear.ActivationQuantizedLinear):
+        assert same and row_invariance(weight, torch.float32) is None
+    else:
+        verdict = row_invariance(weight, torch.float32)
+        assert same or not verdict.holds
 
 
 def test_row_blocked_weights_keep_their_formats(models):
@@ -121,13 +282,16 @@ def test_row_blocked_weights_keep_their_formats(models):
 def test_a_request_has_the_same_bits_alone_and_in_any_batch(
     models, fmt, backend, lengths, position, joins
 ):
+    """Bitwise equal where the premise holds on this machine; else refused clearly."""
     weights = models[fmt]
-    alone = bits(run(Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True),
-                     [REQUEST])[0])  # fmt: skip
+    engine = mode_engine(weights, backend)
+    if engine is None:
+        return  # refused, and clearly (mode_engine asserts it)
+    alone = bits(run(engine, [REQUEST])[0])
     others = [list(bytes(range(97, 97 + 26)) * 4)[:n] for n in lengths]
     position = min(position, len(others))
     prompts = [*others[:position], REQUEST, *others[position:]]
-    engine = Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True)
+    engine = mode_engine(weights, backend)
     together = run(engine, prompts, joins[: len(prompts)])
     assert bits(together[position]) == alone
 
@@ -138,9 +302,11 @@ def test_a_request_has_the_same_bits_alone_and_in_any_batch(
 def test_a_cached_prefix_a_token_budget_and_speculation_change_no_bit(models, fmt, backend):
     """LOOP-PREFIX-1 made bitwise: the prompt's rows after a prefix another request
     cached, and a verify pass's rows, come out as computed alone, token by token; a
-    token budget does not cut the prompt."""
+    token budget does not cut the prompt. (Refused clearly where the premise fails.)"""
     weights = models[fmt]
     prompt = SYSTEM + REQUEST
+    if mode_engine(weights, backend) is None:
+        return  # refused, and clearly (mode_engine asserts it)
 
     def engine(**options):
         return Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True, **options)
@@ -173,10 +339,13 @@ def test_a_request_in_a_batch_is_the_spec_loop_bit_for_bit(models, fmt, backend)
     that join at other steps, gives every token and logprob the bits of the spec's loop
     on the request alone with the mode's projections (the engine's own weights: the
     backend's formats, row-blocked), its attention (each query row alone) and
-    one-thread sampling stages: no near-tie ambiguity."""
+    one-thread sampling stages: no near-tie ambiguity. (Refused clearly where the
+    premise fails.)"""
     weights = models[fmt]
     others = [list(b"abcdefghijklmnopqrstuvwxyz" * 2)[:n] for n in (5, 40)]
-    engine = Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True)
+    engine = mode_engine(weights, backend)
+    if engine is None:
+        return  # refused, and clearly (mode_engine asserts it)
     together = run(engine, [others[0], REQUEST, others[1]], joins=[0, 1, 3])[1]
     tokenizer = ByteTokenizer()
     assert all(isinstance(w, RowBlockLinear) for w in (engine.weights.output,
@@ -202,12 +371,19 @@ def test_a_request_in_a_batch_is_the_spec_loop_bit_for_bit(models, fmt, backend)
 def test_the_triton_backend_keeps_quantized_rows_off_the_row_count_dependent_kernel(models):
     """The Triton `quantized_linear` computes fewer than 8 rows with a GEMV and 8 or more
     with a GEMM, in other bits: in the mode the triton backend's quantized projections
-    are the spec's definition, and a request's bits are its own (Triton interpreter)."""
+    are the spec's definition, and a request's bits are its own (Triton interpreter) —
+    where the premise holds for that definition's GEMM; else refused clearly."""
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=3, top_logprobs=2, ignore_eos=True)
-    engine = Engine(models["int4"], ByteTokenizer(), backend="triton", batch_invariant=True)
+    backend = batch_invariant_backend(get_backend("triton"))
+    assert "quantized_linear" not in backend.kernel_ops
+    prepared = backend.prepare_weights(models["int4"])
+    assert all(type(layer.q_proj).__name__ == "QuantizedWeight" for layer in prepared.layers)
+    engine = mode_engine(models["int4"], "triton")
+    if engine is None:
+        return  # refused, and clearly (mode_engine asserts it)
     assert "quantized_linear" not in engine.backend.kernel_ops
     alone = bits(run(engine, [REQUEST], params=params)[0])
-    engine = Engine(models["int4"], ByteTokenizer(), backend="triton", batch_invariant=True)
+    engine = mode_engine(models["int4"], "triton")
     together = run(engine, [list(b"abcdefghijklmnopqrstuvwxyz"), REQUEST], [0, 1], params)[1]
     assert bits(together) == alone
 
@@ -217,9 +393,6 @@ def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch():
     mode's backend runs the sampling stages on one thread, so a request's logprobs
     alone equal its logprobs beside another request (a vocabulary as wide as the
     bundled model's: narrow rows are never split)."""
-    from decodespec.reference.backend import get_backend
-    from decodespec.reference.batch_invariance import batch_invariant_backend
-
     backend = batch_invariant_backend(get_backend("torch"))
     logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 4
     tokens = torch.tensor([7, 9])
@@ -235,10 +408,13 @@ def test_a_prompt_after_its_cached_prefix_has_the_bits_of_the_cache_off(models, 
     """A prompt after one that began like it: the cache serves all but its last token
     (whole blocks of 16, or part of one, or both), which then runs as the pass's only
     query row, where the spec's attention computes a lone row in other bits than one
-    among many. The mode computes every query row alone: the bits of the cache off."""
+    among many. The mode computes every query row alone: the bits of the cache off.
+    (Refused clearly where the premise fails.)"""
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=3, top_logprobs=2, ignore_eos=True)
-    cached = Engine(models[fmt], ByteTokenizer(), batch_invariant=True)
-    plain = Engine(models[fmt], ByteTokenizer(), batch_invariant=True, prefix_caching=False)
+    cached = mode_engine(models[fmt])
+    if cached is None:
+        return  # refused, and clearly (mode_engine asserts it)
+    plain = mode_engine(models[fmt], prefix_caching=False)
     run(cached, [list(REQUEST[:40])], params=params)  # registers its first two blocks
     for length in (2, 5, 16, 17, 18, 30, 33):
         prompt = list(REQUEST[:length])
@@ -274,3 +450,83 @@ def test_rows_alone_is_the_specs_attention_and_a_rows_bits_are_its_own(dtype):
         assert torch.equal(part, out[7 - rows : 7]), rows
     with pytest.raises(ValueError, match="query_start"):
         rows_alone(q, k_cache, v_cache, table, lens, torch.tensor([0, 7, 9]))
+
+
+@pytest.fixture
+def failing_gemm(monkeypatch):
+    """This machine's GEMM replaced by one that breaks the premise (as the Intel Xeon's
+    did, issue 58), for the mode's products and for the check, with no verdicts kept."""
+    monkeypatch.setattr(batch_invariance, "_VERDICTS", {})
+    monkeypatch.setattr(batch_invariance, "dense_product", split_from_16_rows)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "backend"),
+    [("float32", "spec"), ("float32", "torch"), ("bfloat16", "torch"), ("int4", "spec"),
+     ("int4", "triton")],
+)  # fmt: skip
+def test_where_the_premise_fails_the_mode_is_refused_clearly(models, fmt, backend, failing_gemm):
+    """Every configuration whose projections go through PyTorch's GEMM is refused at
+    construction, with the weights, the backend, the evidence and what works instead."""
+    weights = models[fmt] if fmt != "bfloat16" else convert_weights(models["float32"], fmt)
+    with pytest.raises(BatchInvarianceUnavailable) as refusal:
+        Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True)
+    assert isinstance(refusal.value, ValueError)  # what the commands report, exit 2
+    message = str(refusal.value)
+    quantized = fmt == "int4"
+    rows = "15, 16, 17, 33" if quantized else "15, 16, 17, 33, 100, 257"
+    every = "2, 5, 10, 15, 16, 17, 33" + ("" if quantized else ", 100, 257")
+    dtype = "bfloat16" if fmt == "bfloat16" else "float32"
+    what = "int4 by the spec's definition, a float32" if quantized else dtype
+    assert f"a row alone and among {every} rows gave other bits among {rows} through " in message
+    assert f"through q_proj, o_proj ({what} GEMM [256, 256]), k_proj, v_proj (" in message
+    assert ", output (" in message
+    prepared = batch_invariant_backend(get_backend(backend)).prepare_weights(weights)
+    assert_clear_refusal(message, weights, backend, premise_failures(prepared))
+    assert Engine(weights, ByteTokenizer(), backend=backend).path  # refused only in the mode
+
+
+def test_where_the_premise_fails_the_c_product_is_still_accepted(models, failing_gemm):
+    """int4 weights on the torch backend multiply by the C library's product, which does
+    not go through the GEMM: the mode is accepted, and a request's bits are its own."""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=3, top_logprobs=2, ignore_eos=True)
+    engine = Engine(models["int4"], ByteTokenizer(), backend="torch", batch_invariant=True)
+    projections = [layer.q_proj.unwrapped.shared.kernel for layer in engine.weights.layers]
+    native = (*projections, engine.weights.output.unwrapped)
+    assert all(isinstance(p, cpu_linear.ActivationQuantizedLinear) for p in native)
+    assert not batch_invariance._VERDICTS  # nothing measured
+    alone = bits(run(engine, [REQUEST], params=params)[0])
+    engine = Engine(models["int4"], ByteTokenizer(), backend="torch", batch_invariant=True)
+    together = run(engine, [list(b"abcdefghijklmnopqrstuvwxyz"), REQUEST], [0, 1], params)[1]
+    assert bits(together) == alone
+
+
+def test_a_refusal_says_when_the_c_product_cannot_be_had(models, failing_gemm, monkeypatch):
+    """Without the C library (`DECODESPEC_NATIVE=0`, as where there is no compiler) the
+    configuration that works elsewhere is named, and why it cannot be had here."""
+    monkeypatch.setenv("DECODESPEC_NATIVE", "0")
+    with pytest.raises(BatchInvarianceUnavailable, match=r"the C library cannot be had here "
+                       r"\(DECODESPEC_NATIVE=0\)\.$"):  # fmt: skip
+        Engine(models["float32"], ByteTokenizer(), backend="torch", batch_invariant=True)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_commands_report_a_refusal_in_one_line_with_exit_status_2(models, failing_gemm,
+                                                                      command):  # fmt: skip
+    """`--batch-invariant` where the premise fails: the refusal on stderr, no traceback."""
+    out, err = io.StringIO(), io.StringIO()
+    model = (models["float32"], ByteTokenizer())
+    argv = {"generate": ["generate", "hi", "--raw", "--backend", "spec"],
+            "serve": ["serve", "--port", "0", "--backend", "spec"]}[command]  # fmt: skip
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        for module in (cli_generate, cli_serve):
+            patch.setattr(module, "load_model_with_progress", lambda *_: model)
+        code = cli.main([*argv, "--weights", "float32", "--batch-invariant"])
+    assert code == 2
+    assert "Traceback" not in err.getvalue()
+    assert err.getvalue().startswith("decodespec: error: batch-invariant mode refused for ")
+    assert "What works: int4 or int8 weights on the torch backend" in err.getvalue()
