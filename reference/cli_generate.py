@@ -1,6 +1,8 @@
 """`decodespec generate PROMPT...`: stream a completion (or print it as JSON), with
 its statistics line; optionally constrained by a grammar, speculated, or shown
-step by step with each step's candidates."""
+step by step with each step's candidates (`--show-probs`), or with the first
+step's alone on stderr (`--first-probs`, which `make run` passes: where a small
+model's greedy answer takes its turn, e.g. a near tie of two first tokens)."""
 
 from __future__ import annotations
 
@@ -96,6 +98,14 @@ def add_command(commands) -> None:  # noqa: ANN001 (argparse's private subparser
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     gen.add_argument(
         "--show-probs", type=int, default=0, metavar="N", help="show the top N candidates per step"
+    )
+    gen.add_argument(
+        "--first-probs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="show the first token's top N candidates on stderr, before the answer (where a "
+        "greedy answer takes its turn; only the first step pays for them)",
     )
     gen.set_defaults(run=generate)
 
@@ -194,8 +204,9 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-draft must be >= 1, got {args.num_draft}")
     device = torch_device(args.device)
     backend = get_backend(args.backend)
-    if not 0 <= args.show_probs <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"--show-probs must be in [0, {MAX_TOP_LOGPROBS}], got {args.show_probs}")
+    for flag, n in (("--show-probs", args.show_probs), ("--first-probs", args.first_probs)):
+        if not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"{flag} must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
     budget = budget_options(args)  # bad flags refused before the model loads
     if backend.kernel_ops and device.type == "cpu":
         print("no GPU: the Triton kernels run in the Triton interpreter (slow)", file=sys.stderr)
@@ -239,13 +250,24 @@ def answer(
 ) -> RequestOutput:
     """Stream one prompt's answer (or print its JSON line) and its statistics line."""
     request_id = None
+    first = True
+    # The engine reads `show_probs` at every pass, and candidates take a pass off the
+    # greedy fast path: --first-probs asks them of the first step only.
+    engine.show_probs = max(args.show_probs, args.first_probs)
     for event in engine.generate(ids, params, RequestOptions(structured_output=constraint)):
         request_id = event.request_id
+        if first and event.token_id is not None:
+            first = False
+            engine.show_probs = args.show_probs
+            if args.first_probs and event.candidates is not None:
+                step = show_step(tokenizer, event.token_id, event.candidates[: args.first_probs])
+                print(f"first token: {step}", file=sys.stderr, flush=True)
         if args.json:
             continue
         if args.show_probs:
             if event.token_id is not None and event.candidates is not None:
-                print(show_step(tokenizer, event.token_id, event.candidates), flush=True)
+                candidates = event.candidates[: args.show_probs]
+                print(show_step(tokenizer, event.token_id, candidates), flush=True)
         else:
             print(event.text, end="", flush=True)
     assert request_id is not None

@@ -631,6 +631,43 @@ def test_show_probs_shows_the_distribution_after_the_filters(model):
     assert "".join(chosen) == final
 
 
+def first_token_lines(err: str) -> list[list]:
+    """The cells of each `--first-probs` line on stderr."""
+    prefix = "first token: "
+    return [parse_step(line[len(prefix) :]) for line in err.splitlines() if line.startswith(prefix)]
+
+
+def test_first_probs_shows_the_first_steps_candidates_on_stderr(model, greedy):
+    """`--first-probs N` (what `make run` passes): one line on stderr per prompt, before
+    its answer, with the first step's top N, the chosen one marked; stdout is the answer
+    as without it, and the first token's probabilities are its logprobs'."""
+    _, tokenizer = model
+    run = run_cli(model, "generate", QUESTION, "--first-probs", "3", "--max-tokens", "4")
+    assert run.code == 0, run.err
+    assert run.out == tokenizer.decode(greedy["token_ids"][:4]) + "\n"
+    [cells] = first_token_lines(run.err)
+    assert run.err.index("first token: ") < STATS.search(run.err).start()
+    assert len(cells) == 3 and [c[0] for c in cells] == [True, False, False]
+    top = greedy["logprobs"][0]["top"][:3]
+    decode = [tokenizer.decode([t["token_id"]], skip_special_tokens=False) for t in top]
+    assert [c[1] for c in cells] == decode
+    assert [c[2] for c in cells] == pytest.approx(
+        [100 * math.exp(t["logprob"]) for t in top], abs=0.051
+    )
+    # With --show-probs: each step's line its own N, the first step's stderr line its N;
+    # with two prompts, a line each.
+    both = run_cli(
+        model, "generate", QUESTION, "Hi", "--first-probs", "4", "--show-probs", "2",
+        "--max-tokens", "3",
+    )  # fmt: skip
+    assert both.code == 0, both.err
+    assert [len(cells) for cells in first_token_lines(both.err)] == [4, 4]
+    lines = both.out.splitlines()  # per prompt: 3 steps, an empty line, the text
+    assert len(lines) == 10 and lines[3] == lines[8] == "", both.out
+    assert [len(parse_step(line)) for line in lines[:3] + lines[5:8]] == [2] * 6
+    assert first_token_lines(run_cli(model, "generate", QUESTION, "--max-tokens", "2").err) == []
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -767,6 +804,12 @@ def test_show_probs_out_of_range_exits_2(model):
     assert_usage_error(
         run_cli(model, "generate", "hi", "--show-probs", "50"), r"show.probs must be in \[0, 20\]"
     )
+
+
+def test_first_probs_out_of_range_exits_2():
+    run = run_cli(None, "generate", "hi", "--first-probs", "21")
+    assert_usage_error(run, r"--first-probs must be in \[0, 20\]")
+    assert run.loads == []
 
 
 def test_triton_backend_gives_the_spec_backends_greedy_tokens(model, greedy, monkeypatch):
