@@ -49,6 +49,9 @@ from tests.strategies import BOUNDARY_FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# A test stuck in C code past its timeout ends its process (tests/watchdog.py).
+pytest_plugins = ["tests.watchdog"]
+
 
 def _load_hypothesis_profiles() -> None:
     if sys.version_info >= (3, 11):

@@ -61,6 +61,9 @@ PEER = {
         "_top_k, _top_p, _min_p, _penalties (+ llama_sampler_accept), _logit_bias, _greedy; "
         "process_logits: llama_sampler_chain_init/_add with _temp_ext"
     ),
+    # what this build of llama.cpp runs on ("CPU : SSE3 = 1 | ... | AVX2 = 1 | ..."): the
+    # instruction sets make's build gave it (tests/peers/llama_build.py)
+    "system_info": llama_cpp.llama_print_system_info().decode().strip(),
 }
 
 CONFORMANCE_UNSUPPORTED = {

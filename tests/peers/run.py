@@ -41,6 +41,9 @@ from pathlib import Path
 
 import torch
 
+from tests.peers import llama_build
+from tests.peers.child import PeerProcess
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "peers.json"
@@ -218,9 +221,8 @@ def column(peer: Peer, tests: tuple[str, ...] = SUITE) -> dict:
         "clauses": clauses,
     }
     if peer.name == "llama.cpp" and tests == SUITE:
-        from tests.peers.llama_cpp_loop import compare_loop
-
-        result["loop"] = compare_loop()
+        with PeerProcess("tests.peers.llama_cpp_loop", peer="llama.cpp") as loop:
+            result["loop"] = loop.compare_loop()
     return result
 
 
@@ -262,6 +264,7 @@ def matrix(peers: tuple[Peer, ...] = PEERS, ours: tuple[Peer, ...] = OURS) -> di
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
+            "cpu": llama_build.describe()["cpu"],
             "cores": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -278,9 +281,8 @@ def matrix(peers: tuple[Peer, ...] = PEERS, ours: tuple[Peer, ...] = OURS) -> di
         "ours": our_columns,
     }
     if columns.get("llama.cpp", {}).get("ran"):
-        from tests.peers.mask_order import compare
-
-        result["mask_order"] = compare()
+        with PeerProcess("tests.peers.mask_order", peer="llama.cpp") as mask_order:
+            result["mask_order"] = mask_order.compare()
     return result
 
 

@@ -3,14 +3,9 @@ vocabulary (tests/peers/mask_order.py)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.peers.child import PeerProcess
 
 CASES = {
     "top-k 5, the 5 largest allowed",
@@ -21,7 +16,8 @@ CASES = {
 
 
 def compare_in_a_fresh_process() -> dict:
-    """`mask_order.compare()` run as `make peers` runs it, in a process of its own.
+    """`mask_order.compare()` run as `make peers` runs it, in a process of its own
+    (tests/peers/child.py: a crash of llama.cpp fails this test, naming it).
 
     In a long-lived test worker, after some hundreds of other tests (engines,
     servers, Triton kernels in the interpreter, other llama.cpp contexts),
@@ -29,12 +25,8 @@ def compare_in_a_fresh_process() -> dict:
     file run alone before it did not do it, and the state responsible was not
     found. A fresh process is what the committed matrix was measured in.
     """
-    code = "import json; from tests.peers.mask_order import compare; print(json.dumps(compare()))"
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    with PeerProcess("tests.peers.mask_order", peer="llama.cpp") as mask_order:
+        return mask_order.compare()
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import sys
 import pytest
 
 from tests.peers import run
+from tests.peers.child import PeerProcess
 
 COMMITTED = json.loads(run.RESULTS.read_text())
 CPU_PEERS = (
@@ -105,10 +106,9 @@ def test_a_column_run_again_is_the_committed_one(fresh):
 
 
 def test_llama_cpp_tokenizes_the_prompts_as_this_engine_does():
-    from tests.peers.llama_cpp_loop import compare_loop
-
     committed = COMMITTED["peers"]["llama.cpp"]["loop"]["prompts"]
-    loop = compare_loop([row["prompt"] for row in committed], max_tokens=1)
+    with PeerProcess("tests.peers.llama_cpp_loop", peer="llama.cpp") as peer:
+        loop = peer.compare_loop([row["prompt"] for row in committed], max_tokens=1)
     assert len(loop["prompts"]) == len(committed)
     for now, then in zip(loop["prompts"], committed, strict=True):
         assert now["tokenizer_equal"] == then["tokenizer_equal"], now
