@@ -193,5 +193,6 @@ def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a seeded request's tokens and logprobs bitwise the same whatever else runs "
         "beside it (projections in blocks of at least 16 rows, attention per sequence, no "
-        "native step; see docs/determinism.md for what it costs)",
+        "native step; see docs/determinism.md for what it costs); refused, naming why, "
+        "where this machine's GEMM breaks its premise for the chosen weights",
     )

@@ -40,9 +40,10 @@ GPU_CHECK = [sys.executable, "-m", "tests.benchmarks.gpu_check"]
 GPU_ENGINE = [sys.executable, "-m", "tests.benchmarks.gpu_engine"]
 
 
-def run(command: list[str]) -> subprocess.CompletedProcess:
+def run(command: list[str], **extra_env: str) -> subprocess.CompletedProcess:
     """Run `command` from the repository root; --smoke must switch the interpreter on itself."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(extra_env)
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -397,7 +398,12 @@ def test_versus_llama_benchmark_smoke(tmp_path):
     from docs.tools.performance import versus_llama_section
 
     out = tmp_path / "results" / "versus-llama-cpu.json"
-    result = run([*VERSUS_LLAMA, "--smoke", "--skip-llama-server", "--out", str(out)])
+    # a shell that set decodespec's wait policy: llama.cpp must not inherit it
+    result = run(
+        [*VERSUS_LLAMA, "--smoke", "--skip-llama-server", "--out", str(out)],
+        OMP_WAIT_POLICY="PASSIVE",
+        DECODESPEC_NATIVE_ISA="avx2",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["smoke"] is True and "not measurements" in report["note"]
@@ -405,9 +411,16 @@ def test_versus_llama_benchmark_smoke(tmp_path):
     assert {"python", "torch", "llama-cpp-python"} <= set(report["software"])
     assert report["llama_server_build"] is None and report["llama_server"] is None
     assert report["llama_server_skipped"] == "--skip-llama-server"
+    peer = report["peer_environment"]
+    assert {"OMP_WAIT_POLICY", "DECODESPEC_NATIVE_ISA"} <= set(peer["removed"]), peer
+    assert peer["build"]["options"][0] in ("-DGGML_NATIVE=OFF", "-DGGML_NATIVE=ON")
+    assert "-DGGML_AMX_TILE=ON" not in peer["build"]["options"] and peer["build"]["cpu"]
+    assert report["llama_cpp_in_process"]["system_info"].startswith("CPU :")
     for stage in ("decode", "prefill"):
         for key in ("decodespec_tokens_per_s", "llama_cpp_tokens_per_s", "ratio"):
             assert is_finite_number(report[stage][key]) and report[stage][key] > 0, (stage, key)
+        for key in ("decodespec_tokens_per_s", "llama_cpp_tokens_per_s"):
+            assert report[stage][f"{key}_best"] >= report[stage][key], (stage, key)
     server = report["decodespec"]["server"]
     assert any(line.startswith("serving ") for line in server["stderr"]), server["stderr"]
     assert server["check"]["usage"]["completion_tokens"] == report["serving"]["max_tokens"]

@@ -280,6 +280,20 @@ def ratio_cell(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
 
+def peer_environment(report: dict) -> str:
+    """What the file says of llama.cpp's environment and build, in words."""
+    peer = report.get("peer_environment")
+    if peer is None:
+        return ""
+    removed = ", ".join(f"`{name}`" for name in peer["removed"]) or "none"
+    build = peer["build"]
+    return (
+        "; llama.cpp runs in its users' default environment, without the bench's own "
+        f"thread settings (removed: {removed}), built for {build['cpu']} with "
+        f"{', '.join(build['instruction_sets'])}, AMX off"
+    )
+
+
 def versus_llama_section(report: dict | None) -> str:
     """decodespec against llama.cpp on the same GGUF: decode, prefill and serving."""
     heading = "## Against llama.cpp on a CPU\n\n"
@@ -299,17 +313,24 @@ def versus_llama_section(report: dict | None) -> str:
         if build and server
         else f"llama.cpp's `llama-server`, which did not run ({report['llama_server_skipped']})"
     )
+
+    def with_best(figures: dict, key: str, digits: int) -> str:
+        """A median and, where the file has it, the best round beside it."""
+        best = figures.get(f"{key}_best")
+        shown = f"{figures[key]:.{digits}f}"
+        return shown if best is None else f"{shown} (best {best:.{digits}f})"
+
     rows = [
         [
             f"decode tok/s (one stream, {decode['decode_tokens']} tokens)",
-            f"{decode['decodespec_tokens_per_s']:.1f}",
-            f"{decode['llama_cpp_tokens_per_s']:.1f}",
+            with_best(decode, "decodespec_tokens_per_s", 1),
+            with_best(decode, "llama_cpp_tokens_per_s", 1),
             ratio_cell(decode["ratio"]),
         ],
         [
             f"prefill tok/s ({prefill['prompt_tokens']}-token prompt)",
-            f"{prefill['decodespec_tokens_per_s']:.0f}",
-            f"{prefill['llama_cpp_tokens_per_s']:.0f}",
+            with_best(prefill, "decodespec_tokens_per_s", 0),
+            with_best(prefill, "llama_cpp_tokens_per_s", 0),
             ratio_cell(prefill["ratio"]),
         ],
     ]
@@ -321,8 +342,8 @@ def versus_llama_section(report: dict | None) -> str:
                 f"serving tok/s, {level['concurrency']} stream"
                 + ("s" if level["concurrency"] > 1 else "")
                 + f" ({level['requests']} requests)",
-                f"{level['decodespec']['output_tokens_per_s']:.1f}",
-                "–" if theirs is None else f"{theirs['output_tokens_per_s']:.1f}",
+                with_best(level["decodespec"], "output_tokens_per_s", 1),
+                "–" if theirs is None else with_best(theirs, "output_tokens_per_s", 1),
                 ratio_cell(level["ratio"]),
             ]
         )
@@ -362,13 +383,21 @@ def versus_llama_section(report: dict | None) -> str:
         + f"time; prefill: a {prefill['prompt_tokens']}-token prompt from an empty cache to its "
         + "first token, in-process (llama.cpp through llama-cpp-python, in a process of its "
         + "own: decodespec runs with `OMP_WAIT_POLICY=PASSIVE`, as its command sets it, which "
-        + "would slow llama.cpp, whose OpenMP runtime is the same library). Serving: "
+        + "would slow llama.cpp, whose OpenMP runtime is the same library"
+        + peer_environment(report)
+        + "). Serving: "
         + "`decodespec serve` against "
         + f"{llama_server}, the same "
         + f"streamed `/v1/completions` ({serving['sampling']}, {serving['max_tokens']} tokens "
         + f"each, {serving['prompts']} short prompts) from the same clients; each request must "
-        + f"return exactly that many tokens. Statistic: the best of {report['rounds']} interleaved "
-        + "rounds. Ratio: decodespec over llama.cpp (above 1, decodespec is faster).\n\n"
+        + "return exactly that many tokens. Statistic: "
+        + (
+            f"the median of {report['rounds']} interleaved rounds, the best in parentheses; "
+            "ratios of medians"
+            if "decodespec_tokens_per_s_best" in decode
+            else f"the best of {report['rounds']} interleaved rounds"
+        )
+        + ". Ratio: decodespec over llama.cpp (above 1, decodespec is faster).\n\n"
         + table(["", "decodespec", "llama.cpp", "ratio"], rows)
         + "\n\nServing latency, p50 / p99 in milliseconds, as the clients see it:\n\n"
         + table(

@@ -53,8 +53,10 @@ from tests.benchmarks.versus_llama import (
     decodespec_server,
     free_port,
     llama_server,
+    llama_system_info,
     log,
 )
+from tests.peers import llama_build
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
@@ -136,6 +138,7 @@ def llama_cpp_python_server(model: Path, log_dir: Path) -> tuple[ServerProcess, 
     version = {
         "version": llama_cpp_version(),
         "package": f"llama-cpp-python {llama_cpp_version()}",
+        "system_info": llama_system_info(),
         "server_dependencies": installed_versions(site),
     }
     return server, version
@@ -151,7 +154,8 @@ def llama_server_process(model: Path, log_dir: Path) -> tuple[ServerProcess, dic
         "version": output.splitlines()[0].removeprefix("version:").strip(),
         "package": build["package"],
         "version_output": output,
-        "build": {key: build[key] for key in ("llama_cpp_tag", "sdist_sha256", "cmake_options")},
+        "build": {key: build[key] for key in ("llama_cpp_tag", "sdist_sha256", "cmake_options")}
+        | {"cpu": llama_build.describe()["cpu"]},
     }
 
 

