@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml Makefile
 # the package index has only its source, so it is compiled here, once per venv and CPU
 # (about 6 minutes on 2 cores). The version is pinned so that the committed matrix is
 # reproducible. The instruction sets are this CPU's, named one by one, AMX never
-# (tests/peers/llama_build.py says why: -march=native put AMX code in it that died of
-# SIGILL on a VM); the stamp names them, so a venv moved to another CPU rebuilds it,
+# (tests/peers/llama_build.py says why: a build for the compiling machine put AMX code
+# in it that died of SIGILL on a VM); the stamp names them, so a venv moved to another CPU rebuilds it,
 # without pip's wheel cache, which does not know the flags. LLAVA_BUILD=OFF skips the
 # multimodal library (mtmd), which llama-cpp-python loads only for image chat handlers
 # and the peers never use.

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -123,10 +124,22 @@ def time_peer(prepare: Callable[[], Callable[[], object]], timer: Callable = med
     return {"median_ms": ms}
 
 
+def portable_path(text: str) -> str:
+    """`text` with this machine's paths made portable: the repository's relative to it,
+    the home folder's as `~`, a virtual environment's packages as `site-packages/`."""
+    text = text.replace(f"{ROOT}/", "")
+    text = re.sub(r"/\S*?/(?:lib|Lib)/python[\d.]+/site-packages/", "site-packages/", text)
+    return text.replace(f"{Path.home()}/", "~/")
+
+
 def _strict_json(value: object) -> object:
-    """`value` with each non-finite float replaced by its name ("nan", "inf", "-inf")."""
+    """`value` with each non-finite float replaced by its name ("nan", "inf", "-inf") and
+    each string's paths made portable (`portable_path`): a results file never holds
+    the measuring machine's absolute paths."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, str):
+        return portable_path(value)
     if isinstance(value, dict):
         return {key: _strict_json(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

@@ -75,12 +75,12 @@ def cpu_model(text: str) -> str:
 
 def ggml_cpu_options(flags: frozenset[str], machine: str | None = None) -> list[str]:
     """cmake options that build ggml's CPU backend for a CPU with `flags`: every x86
-    option named ON or OFF, AMX off. On another architecture (`machine` not x86),
-    ggml's own detection, which does not carry this hazard."""
+    option named ON or OFF, AMX off. On another architecture (`machine` not x86), no
+    native code either: ggml's portable baseline for it."""
     machine = machine or platform.machine()
-    if machine.lower() not in ("x86_64", "amd64", "i686", "i386"):
-        return ["-DGGML_NATIVE=ON"]
     options = ["-DGGML_NATIVE=OFF"]
+    if machine.lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return options
     for option, needs in GGML_X86_OPTIONS.items():
         options.append(f"-D{option}={'ON' if flags.issuperset(needs) else 'OFF'}")
     options += [f"-D{option}=OFF" for option in GGML_OFF_ALWAYS]
