@@ -69,7 +69,6 @@ class PeerProcess:
         self._module, self._peer, self._timeout_s = module, peer, timeout_s
         self._process: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        self._stderr_path = Path(os.devnull)
 
     # ------------------------------------------------------------ the child
 
@@ -84,7 +83,11 @@ class PeerProcess:
         os.close(child_reads)
         os.close(child_writes)
         self._conn = _Duplex(read_fd=we_read, write_fd=we_write)
-        self._receive("start", START_TIMEOUT_S)
+        try:
+            self._receive("start", START_TIMEOUT_S)
+        except BaseException:  # the import failed: the child has nothing to serve
+            self._stop()
+            raise
 
     def _stop(self) -> None:
         if self._conn is not None:
