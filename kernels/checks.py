@@ -122,3 +122,42 @@ def check_logits(logits: Tensor) -> None:
         )
     check_vocabulary("logits", logits)
     check_kernel_device("logits", logits)
+
+
+# ---------------------------------------------------------------- error words
+#
+# A wrapper checks on the host only what the host already knows: shapes, dtypes,
+# devices. A *value* (a parameter's range, an index, a NaN in the logits) lives on the
+# device, and reading it there is a device-to-host sync that stalls the launch queue.
+# So the kernel checks values and writes one int32 error word per row of its call (0:
+# fine; otherwise bits its module names), and a value that would index memory is
+# masked first, so a bad one never reads or writes outside its tensors. The caller
+# reads the words when it chooses: pass `errors=` and no wrapper syncs; omit it and the
+# wrapper reads them once after its launch and raises, with the message its host
+# checks give (`raise_for_errors`).
+
+
+def error_words(errors: Tensor | None, rows: int, device: torch.device) -> Tensor:
+    """The `[rows]` int32 error words a launch writes: `errors`, checked, or a new
+    tensor (the kernel writes every row's word, so it needs no clearing)."""
+    if errors is None:
+        return torch.empty(rows, dtype=torch.int32, device=device)
+    check_tensor("errors", errors)
+    if list(errors.shape) != [rows] or errors.dtype != torch.int32 or not errors.is_contiguous():
+        raise ValueError(
+            f"errors must be a contiguous [{rows}] int32 tensor, got "
+            f"{list(errors.shape)} {errors.dtype}"
+        )
+    if errors.device != device:
+        raise ValueError(f"errors is on {errors.device}, expected {device}")
+    return errors
+
+
+def raise_for_errors(errors: Tensor, explain) -> None:
+    """One device-to-host read of `errors`; if a word is nonzero, `explain()` raises the
+    error that names the argument and the row (it may read the device freely: this is
+    the failing path). An `explain` that finds nothing is a kernel bug, said so."""
+    if not bool(errors.any()):
+        return
+    explain()
+    raise RuntimeError(f"a kernel reported error words {errors.tolist()} that no check explains")

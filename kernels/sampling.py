@@ -29,15 +29,25 @@ time:
    `(index, step_lo, step_hi, 0)` and key `seed` (SAMPLE-RNG-2): the
    numbers are bit-identical to the spec's.
 
-Invalid rows (NaN, +inf, nothing finite, judged after the processors) get
-token −1, and the wrapper raises `InvalidLogitsError` naming them. A row's
+The kernel also judges the parameters' values (PARAM-RANGE-1) and writes one
+error word per row (`checks.py`): invalid rows (NaN, +inf, nothing finite,
+judged after the processors) and rows with a parameter out of range get token
+−1. The host reads nothing on the way: absent parameters are constexpr flags,
+sizes are not specialised (one compiled variant for every vocabulary and batch),
+and a caller that passes `errors=` reads the words when it chooses (an engine:
+once per step); otherwise the wrapper reads them once and raises
+`InvalidLogitsError` or the ValueError naming the parameter.
+
+Passes over a row (tests/kernels/test_contracts_sampling.py counts them): greedy
+1 read; temperature alone or with min-p 2; top-k 10; top-p 11; both 19 (each
+value-domain search takes 8). One read is the target. A row's
 result depends only on that row and its parameters (batch invariance), and
 every reduction has a fixed order (the same inputs give the same tokens).
 
 Logits must be float16, bfloat16 or float32 (float64 is the spec's
 reference dtype, not a kernel one).
 
-Why one file of some 700 lines: `sample`, `process_logits`, `greedy` and the
+Why one file of some 900 lines: `sample`, `process_logits`, `greedy` and the
 three masks are one kernel run in different modes (the fused pass above
 stops at the step each needs), so its building blocks, its launch and the
 checks of its arguments belong together; a downstream engine vendors it as
@@ -53,7 +63,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import INTERPRET, check_kernel_device, check_logits, check_tensor
+from .checks import (
+    INTERPRET,
+    check_kernel_device,
+    check_logits,
+    check_tensor,
+    error_words,
+    raise_for_errors,
+)
 from .token_mask import allowed_tokens, check_bitmask
 
 # The int32 key of −inf: every finite float32 has a larger key (see _ordered_key).
@@ -63,6 +80,12 @@ KEY_NEG_INF = tl.constexpr(-2139095041)
 # take 256 pivots there (4 passes).
 NUM_PIVOTS = 16
 INTERPRETER_SMALL_VOCAB_PIVOTS = 256
+
+# The bits of a row's error word (kernels/checks.py says how error words work).
+ERROR_INVALID_LOGITS = tl.constexpr(1)  # NaN, +inf or nothing finite (SAMPLE-VALID-1)
+ERROR_OUT_OF_RANGE = tl.constexpr(2)  # a parameter outside its range (PARAM-RANGE-1)
+ERROR_NO_SEED = tl.constexpr(4)  # a sampled row and no seed
+ARGUMENT_ERRORS = ERROR_OUT_OF_RANGE | ERROR_NO_SEED
 
 
 class InvalidLogitsError(ValueError):
@@ -107,26 +130,30 @@ def _processed(
     HAS_MIN_TOKENS: tl.constexpr,
     HAS_PENALTIES: tl.constexpr,
 ):
-    """The processed logits of one chunk (MASK-SAMPLE-1, LOGITS-ORDER-1); −inf past
-    the vocabulary."""
+    """The processed logits of one chunk (MASK-SAMPLE-1, LOGITS-ORDER-1), −inf past
+    the vocabulary, and how many of its per-token parameters are out of range."""
     in_vocab = offsets < vocab
+    out_of_range = 0
     z = tl.load(logits_row + offsets, mask=in_vocab, other=0.0).to(tl.float32)
     if HAS_BITMASK:  # the grammar's mask first, replacing whatever the logit held
         z = tl.where(allowed_tokens(bitmask_row, offsets, in_vocab, words), z, float("-inf"))
     if HAS_BIAS:
-        z = z + tl.load(bias_row + offsets, mask=in_vocab, other=0.0).to(tl.float32)
+        bias = tl.load(bias_row + offsets, mask=in_vocab, other=0.0)
+        out_of_range += tl.sum((~((bias >= -100.0) & (bias <= 100.0))).to(tl.int32), axis=0)
+        z = z + bias.to(tl.float32)
     if HAS_MIN_TOKENS:
         stop = tl.load(stop_row + offsets, mask=in_vocab, other=0) != 0
         z = z + tl.where(stop & banned, float("-inf"), 0.0)  # adding keeps NaN NaN
     if HAS_PENALTIES:
         counts = tl.load(counts_row + offsets, mask=in_vocab, other=0)
+        out_of_range += tl.sum((counts < 0).to(tl.int32), axis=0)
         in_output = counts > 0
         in_prompt = tl.load(prompt_row + offsets, mask=in_vocab, other=0) != 0
         penalized = tl.where(z > 0, tl.div_rn(z, theta), z * theta)
         z = tl.where(in_prompt | in_output, penalized, z)
         z = z - alpha_f * counts.to(tl.float32)
         z = z - alpha_p * in_output.to(tl.float32)
-    return tl.where(in_vocab, z, float("-inf"))
+    return tl.where(in_vocab, z, float("-inf")), out_of_range
 
 
 @triton.jit
@@ -239,11 +266,15 @@ def _uniform_kernel(seed_ptr, step_ptr, out_ptr, vocab, stream, BLOCK_V: tl.cons
 # ---------------------------------------------------------------- the fused kernel
 
 
-@triton.jit
+# The sizes and strides change with the batch's vocabulary and grammar: Triton would
+# compile a variant for each value that is 1 or a multiple of 16 (a recompile in the
+# middle of serving); the loads do not need the alignment.
+@triton.jit(do_not_specialize=["vocab", "logits_stride", "words", "bitmask_stride"])
 def _sample_kernel(
     logits_ptr,
     scratch_ptr,
     tokens_ptr,
+    errors_ptr,
     temperature_ptr,
     top_k_ptr,
     top_p_ptr,
@@ -263,6 +294,12 @@ def _sample_kernel(
     logits_stride,
     words,
     bitmask_stride,
+    HAS_TEMPERATURE: tl.constexpr,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    HAS_SEED: tl.constexpr,
+    HAS_STEP: tl.constexpr,
     HAS_BITMASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_MIN_TOKENS: tl.constexpr,
@@ -272,36 +309,76 @@ def _sample_kernel(
     BLOCK_V: tl.constexpr,
     NUM_PIVOTS: tl.constexpr,
 ):
-    """One row: processors, validity, greedy or scale + filters + Gumbel-max.
+    """One row: its parameters' ranges, processors, validity, greedy or scale +
+    filters + Gumbel-max; the row's error word.
 
     CHOOSE: write the token. Otherwise (process_logits) leave the row that the
     token would be drawn from in the scratch row: filtered tokens at −inf.
     FILTERS_ONLY (the mask operations): no temperature; the filters act on the
     logits as given, which the scratch row then holds with removed tokens at −inf.
+    An absent parameter (HAS_* off) takes its neutral value and is never read.
+    Parameters are read in their own dtypes: each range is judged on the value as
+    given (PARAM-RANGE-1), then converted as PyTorch's `.to` would.
     """
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_stride
     scratch_row = scratch_ptr + row * vocab
-    step = tl.load(step_ptr + row)
+
+    # The per-row parameters and their ranges (the spec's table, _RANGES).
+    in_range = True
+    temperature = 1.0 if FILTERS_ONLY else 0.0  # absent: a greedy row
+    if HAS_TEMPERATURE:
+        given_t = tl.load(temperature_ptr + row)
+        in_range &= (given_t >= 0) & (given_t < float("inf"))
+        temperature = given_t.to(tl.float32)
+    step = row * 0
+    if HAS_STEP:
+        step = tl.load(step_ptr + row).to(tl.int64)
+        in_range &= step >= 0
+    top_k = row * 0
+    if HAS_TOP_K:
+        top_k = tl.load(top_k_ptr + row).to(tl.int64)
+        in_range &= top_k >= 0
+    top_p = 1.0
+    if HAS_TOP_P:
+        given_p = tl.load(top_p_ptr + row)
+        in_range &= (given_p > 0) & (given_p <= 1)
+        top_p = given_p.to(tl.float32)
+    min_p = 0.0
+    if HAS_MIN_P:
+        given_m = tl.load(min_p_ptr + row)
+        in_range &= (given_m >= 0) & (given_m <= 1)
+        min_p = given_m.to(tl.float32)
     banned = False
     if HAS_MIN_TOKENS:
-        banned = step < tl.load(min_tokens_ptr + row)
+        min_tokens = tl.load(min_tokens_ptr + row).to(tl.int64)
+        in_range &= min_tokens >= 0
+        banned = step < min_tokens
     theta = 1.0
     alpha_f = 0.0
     alpha_p = 0.0
     if HAS_PENALTIES:
-        theta = tl.load(repetition_ptr + row)
-        alpha_f = tl.load(frequency_ptr + row)
-        alpha_p = tl.load(presence_ptr + row)
+        given_theta = tl.load(repetition_ptr + row)
+        given_f = tl.load(frequency_ptr + row)
+        given_pr = tl.load(presence_ptr + row)
+        in_range &= (given_theta > 0) & (given_theta < float("inf"))
+        in_range &= (given_f >= -2) & (given_f <= 2) & (given_pr >= -2) & (given_pr <= 2)
+        theta = given_theta.to(tl.float32)
+        alpha_f = given_f.to(tl.float32)
+        alpha_p = given_pr.to(tl.float32)
+    seed = row * 0
+    if HAS_SEED:
+        seed = tl.load(seed_ptr + row).to(tl.int64)
 
     # Pass 1: processed logits to the scratch row, validity, first argmax.
     bad = 0
     num_finite = 0
+    out_of_range = 0
     z_max = float("-inf")
     argmax = 0
     for start in range(0, vocab, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
-        z = _processed(
+        z, chunk_out_of_range = _processed(
             logits_row,
             bitmask_ptr + row * bitmask_stride,  # the bitmask's own rows (MASK-WIDTH-1)
             words,
@@ -321,6 +398,7 @@ def _sample_kernel(
             HAS_PENALTIES,
         )
         tl.store(scratch_row + offsets, z, mask=offsets < vocab)
+        out_of_range += chunk_out_of_range
         bad += tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), axis=0)
         num_finite += tl.sum((z > float("-inf")).to(tl.int32), axis=0)
         chunk_max = tl.max(z, axis=0)
@@ -328,10 +406,15 @@ def _sample_kernel(
         argmax = tl.where(chunk_max > z_max, chunk_argmax, argmax)  # ties: the earlier chunk
         z_max = tl.maximum(z_max, chunk_max)
 
-    # The token slot always says what happened: −1 invalid, else the row's token
-    # (process_logits only reads the −1s).
-    temperature = tl.load(temperature_ptr + row)
-    if (bad > 0) | (num_finite == 0):  # SAMPLE-VALID-1
+    error = tl.where(in_range & (out_of_range == 0), 0, ERROR_OUT_OF_RANGE)
+    if CHOOSE and not HAS_SEED:
+        error |= tl.where(temperature > 0.0, ERROR_NO_SEED, 0)
+    error |= tl.where((bad > 0) | (num_finite == 0), ERROR_INVALID_LOGITS, 0)  # SAMPLE-VALID-1
+    tl.store(errors_ptr + row, error)
+
+    # The token slot always says what happened: −1 for a row with an error, else the
+    # row's token (process_logits only reads the −1s).
+    if error != 0:
         tl.store(tokens_ptr + row, -1)
     elif (temperature == 0.0) & (not FILTERS_ONLY):  # SAMPLE-GREEDY-1
         tl.store(tokens_ptr + row, argmax.to(tl.int64))
@@ -351,34 +434,33 @@ def _sample_kernel(
             scale = temperature * 0.0 + 1.0
             s_max = z_max
         max_key = _ordered_key(s_max).to(tl.int64)
-        top_k = tl.load(top_k_ptr + row)
-        key_k = top_k.to(tl.int64) * 0 + KEY_NEG_INF
-        if (top_k > 0) & (top_k < num_finite):
-            key_k = _top_k_key(
-                scratch_row, vocab, shift, scale, max_key, top_k, BLOCK_V, NUM_PIVOTS
-            )
-        top_p = tl.load(top_p_ptr + row)
+        key_k = top_k * 0 + KEY_NEG_INF
+        if HAS_TOP_K:
+            if (top_k > 0) & (top_k < num_finite):
+                key_k = _top_k_key(
+                    scratch_row, vocab, shift, scale, max_key, top_k, BLOCK_V, NUM_PIVOTS
+                )
         key_p = key_k
-        if top_p < 1.0:
-            mass = _kept_mass(scratch_row, vocab, shift, scale, s_max, key_k, BLOCK_V)
-            key_p = _top_p_key(
-                scratch_row,
-                vocab,
-                shift,
-                scale,
-                s_max,
-                key_k,
-                top_p * mass,
-                BLOCK_V,
-                NUM_PIVOTS,
-            )
-        min_p = tl.load(min_p_ptr + row)
+        if HAS_TOP_P:
+            if top_p < 1.0:
+                mass = _kept_mass(scratch_row, vocab, shift, scale, s_max, key_k, BLOCK_V)
+                key_p = _top_p_key(
+                    scratch_row,
+                    vocab,
+                    shift,
+                    scale,
+                    s_max,
+                    key_k,
+                    top_p * mass,
+                    BLOCK_V,
+                    NUM_PIVOTS,
+                )
         key_m = key_k
-        if min_p > 0.0:  # SAMPLE-MINP-1: s >= max s + ln m
-            key_m = _ordered_key(s_max + tl.log(min_p)).to(tl.int64)
+        if HAS_MIN_P:
+            if min_p > 0.0:  # SAMPLE-MINP-1: s >= max s + ln m
+                key_m = _ordered_key(s_max + tl.log(min_p)).to(tl.int64)
         threshold = tl.maximum(tl.maximum(key_k, key_p), key_m)
 
-        seed = tl.load(seed_ptr + row)
         best = float("-inf")
         token = 0
         for start in range(0, vocab, BLOCK_V):
@@ -439,11 +521,12 @@ def _check_range(name: str, t: Tensor, low: float, high: float, low_open: bool, 
 
 
 def _check_sampling_args(logits: Tensor, args: dict[str, Tensor | None]) -> None:
-    """Shapes, dtypes, devices and ranges of `sample`'s arguments (PARAM-RANGE-1)."""
+    """Shapes, dtypes and devices of `sample`'s arguments: what the host knows without
+    reading the device. Their values are the kernel's to check (`_explain_errors`)."""
     check_logits(logits)
     batch, vocab = logits.shape
     for name, t in args.items():
-        if t is None and name != "temperature":  # the one required tensor
+        if t is None:
             continue
         check_tensor(name, t)
         if name == "token_bitmask":
@@ -456,8 +539,6 @@ def _check_sampling_args(logits: Tensor, args: dict[str, Tensor | None]) -> None
             raise ValueError(f"{name} is on {t.device}, logits on {logits.device}")
         if name in _INTEGER and (t.dtype.is_floating_point or t.dtype == torch.bool):
             raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
-        if name in _RANGES:
-            _check_range(name, t, *_RANGES[name])
     if (args.get("stop_token_mask") is None) != (args.get("min_tokens") is None):
         raise ValueError("stop_token_mask and min_tokens must be given together")
     given = [args.get(name) is not None for name in _PENALTY_ARGS]
@@ -468,28 +549,60 @@ def _check_sampling_args(logits: Tensor, args: dict[str, Tensor | None]) -> None
         )
 
 
+def _explain_errors(
+    args: dict[str, Tensor | None], choose: bool, tokens: Tensor | None = None
+) -> None:
+    """Raise the error behind a launch's nonzero error words (the failing path: it reads
+    the device freely). Arguments first, in the spec's order, then invalid rows."""
+    for name, t in args.items():
+        if t is not None and name in _RANGES:
+            _check_range(name, t, *_RANGES[name])
+    temperature = args.get("temperature")
+    if choose and args.get("seed") is None and bool((temperature > 0).any()):
+        raise ValueError("seed is required when a row has temperature > 0")
+    bad = tokens < 0 if tokens is not None else None
+    if bad is not None and bool(bad.any()):
+        raise InvalidLogitsError(bad.nonzero().flatten().tolist(), tokens)
+
+
 # ---------------------------------------------------------------- wrappers
+
+# The dtypes the kernel reads a per-row parameter in; others are converted first.
+_ROW_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+)
 
 
 def _launch(
-    logits: Tensor, args: dict[str, Tensor | None], choose: bool, filters_only: bool = False
-) -> tuple[Tensor, Tensor]:
-    """Validate, fill defaults, launch; returns (tokens, scratch row of each row)."""
+    logits: Tensor,
+    args: dict[str, Tensor | None],
+    choose: bool,
+    filters_only: bool = False,
+    errors: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check what the host knows, launch once; (tokens, scratch rows, error words).
+
+    No value is read on the host: an absent parameter is a constexpr flag, not a
+    tensor of defaults, and the kernel judges ranges and validity itself."""
     _check_sampling_args(logits, args)
     batch, vocab = logits.shape
     device = logits.device
-    if filters_only:
-        args = {**args, "temperature": torch.ones(batch, device=device)}
-    if choose and args.get("seed") is None and bool((args["temperature"] > 0).any()):
-        raise ValueError("seed is required when a row has temperature > 0")
+    words = error_words(errors, batch, device)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
 
-    def per_row(name: str, dtype: torch.dtype, default: float) -> Tensor:
+    def per_row(name: str) -> Tensor:
         t = args.get(name)
-        if t is None:
-            return torch.full((batch,), default, dtype=dtype, device=device)
-        return t.to(dtype).contiguous()
+        if t is None:  # never read (its flag is off): any pointer will do
+            return words
+        if t.dtype not in _ROW_DTYPES:  # bool, int8, ...: exact in these
+            t = t.to(torch.float32 if name not in _INTEGER else torch.int64)
+        return t.contiguous()
 
     def per_token(name: str) -> Tensor:
         t = args.get(name)
@@ -505,30 +618,37 @@ def _launch(
     tokens = torch.empty(batch, dtype=torch.int64, device=device)
     scratch = torch.empty(batch, vocab, dtype=torch.float32, device=device)
     if batch == 0:
-        return tokens, scratch
+        return tokens, scratch, words
     _sample_kernel[(batch,)](
         logits,
         scratch,
         tokens,
-        per_row("temperature", torch.float32, 0.0),
-        per_row("top_k", torch.int64, 0),
-        per_row("top_p", torch.float32, 1.0),
-        per_row("min_p", torch.float32, 0.0),
-        per_row("seed", torch.int64, 0),
-        per_row("step", torch.int64, 0),
+        words,
+        per_row("temperature"),
+        per_row("top_k"),
+        per_row("top_p"),
+        per_row("min_p"),
+        per_row("seed"),
+        per_row("step"),
         logits if bitmask is None else bitmask,
         per_token("logit_bias"),
         per_token("stop_token_mask"),
-        per_row("min_tokens", torch.int64, 0),
+        per_row("min_tokens"),
         per_token("prompt_mask"),
         per_token("output_counts"),
-        per_row("repetition_penalty", torch.float32, 1.0),
-        per_row("frequency_penalty", torch.float32, 0.0),
-        per_row("presence_penalty", torch.float32, 0.0),
+        per_row("repetition_penalty"),
+        per_row("frequency_penalty"),
+        per_row("presence_penalty"),
         vocab,
         logits.stride(0),
         1 if bitmask is None else bitmask.shape[1],
         0 if bitmask is None else bitmask.stride(0),
+        HAS_TEMPERATURE=args.get("temperature") is not None,
+        HAS_TOP_K=args.get("top_k") is not None,
+        HAS_TOP_P=args.get("top_p") is not None,
+        HAS_MIN_P=args.get("min_p") is not None,
+        HAS_SEED=args.get("seed") is not None,
+        HAS_STEP=args.get("step") is not None,
         HAS_BITMASK=bitmask is not None,
         HAS_BIAS=args.get("logit_bias") is not None,
         HAS_MIN_TOKENS=args.get("stop_token_mask") is not None,
@@ -543,14 +663,7 @@ def _launch(
         # Each processor and the scaling round separately, as PyTorch does.
         enable_fp_fusion=False,
     )
-    return tokens, scratch
-
-
-def _invalid_error(tokens: Tensor) -> InvalidLogitsError | None:
-    bad = tokens < 0
-    if not bool(bad.any()):
-        return None
-    return InvalidLogitsError(bad.nonzero().flatten().tolist(), tokens)
+    return tokens, scratch, words
 
 
 def greedy(logits: Tensor) -> Tensor:
@@ -564,15 +677,19 @@ def greedy(logits: Tensor) -> Tensor:
         tensor([1])
     """
     check_logits(logits)
-    tokens, _ = _launch(logits, {"temperature": torch.zeros_like(logits[:, 0])}, choose=True)
+    tokens, _, _ = _launch(logits, {}, choose=True)  # no temperature: every row greedy
     return tokens
 
 
 def _filter_mask(logits: Tensor, name: str, values: Tensor) -> Tensor:
-    """The tokens one filter keeps of the logits as given (no temperature, no processors)."""
+    """The tokens one filter keeps of the logits as given (no temperature, no processors).
+    One read of the error words: a value out of range raises; an invalid row keeps
+    nothing, as its −inf scratch row says."""
     check_logits(logits)
     check_tensor(name, values)
-    _, filtered = _launch(logits, {name: values}, choose=False, filters_only=True)
+    args = {name: values}
+    _, filtered, words = _launch(logits, args, choose=False, filters_only=True)
+    raise_for_errors(words & ARGUMENT_ERRORS.value, lambda: _explain_errors(args, choose=False))
     return filtered > float("-inf")
 
 
@@ -685,6 +802,7 @@ def sample(
     repetition_penalty: Tensor | None = None,
     frequency_penalty: Tensor | None = None,
     presence_penalty: Tensor | None = None,
+    errors: Tensor | None = None,
 ) -> Tensor:
     """Draw one token per row, the whole pipeline in one launch (spec.sampling.sample).
 
@@ -705,6 +823,11 @@ def sample(
         stop_token_mask: `[batch, vocab]` bool, with `min_tokens` `[batch]` int.
         prompt_mask: `[batch, vocab]` bool, with `output_counts` `[batch,
             vocab]` int and the three `[batch]` penalties.
+        errors: `[batch]` int32, written with each row's error word (0: fine;
+            `ERROR_INVALID_LOGITS`, `ERROR_OUT_OF_RANGE`, `ERROR_NO_SEED`), which
+            the caller reads when it chooses: nothing is raised for values, and
+            a row with an error gets token −1. Omitted: the wrapper reads the
+            words once and raises.
 
     Returns:
         `[batch]` int64 tokens: the spec's, except where two candidates'
@@ -715,8 +838,13 @@ def sample(
         InvalidLogitsError: some rows are invalid; `.rows` names them and
             `.tokens` holds the other rows' tokens (−1 for those rows).
         ValueError: an argument has the wrong shape, dtype, device or range, or
-            the logits have no column (SAMPLE-VALID-3).
+            the logits have no column (SAMPLE-VALID-3); with `errors` given, only
+            what the host knows (shape, dtype, device) raises.
         TypeError: an argument that must be a tensor is not (SAMPLE-VALID-3).
+
+    Cost (tests/kernels/test_contracts_sampling.py): one launch; with `errors`
+    given, no host sync and no PyTorch operation besides allocating the tokens,
+    the scratch rows and (omitted) the words; without it, one host sync.
 
     Example:
         >>> logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
@@ -724,12 +852,12 @@ def sample(
         ...        seed=torch.tensor([0, 42]))
         tensor([1, 1])
     """
+    check_tensor("temperature", temperature)
     args = dict(locals())
-    del args["logits"]
-    tokens, _ = _launch(logits, args, choose=True)
-    error = _invalid_error(tokens)
-    if error is not None:
-        raise error
+    del args["logits"], args["errors"]
+    tokens, _, words = _launch(logits, args, choose=True, errors=errors)
+    if errors is None:
+        raise_for_errors(words, lambda: _explain_errors(args, choose=True, tokens=tokens))
     return tokens
 
 
@@ -750,10 +878,12 @@ def process_logits(
     repetition_penalty: Tensor | None = None,
     frequency_penalty: Tensor | None = None,
     presence_penalty: Tensor | None = None,
+    errors: Tensor | None = None,
 ) -> Tensor:
     """The logits the token is drawn from (spec.sampling.process_logits).
 
-    Same arguments as `sample` without the seed. Sampled rows come back scaled
+    Same arguments as `sample` (`errors` included) without the seed; a row with an
+    error word comes back unspecified. Sampled rows come back scaled
     and filtered (removed tokens at −inf), greedy rows processed and shifted by
     their maximum.
 
@@ -771,10 +901,17 @@ def process_logits(
         ...                top_k=torch.tensor([2]))
         tensor([[-inf, 0., -2.]])
     """
+    check_tensor("temperature", temperature)
     args = dict(locals())
-    del args["logits"]
-    tokens, processed = _launch(logits, args, choose=False)
-    error = _invalid_error(tokens)
-    if error is not None:
-        raise InvalidLogitsError(error.rows, torch.full_like(tokens, -1))
+    del args["logits"], args["errors"]
+    tokens, processed, words = _launch(logits, args, choose=False, errors=errors)
+    if errors is None:
+
+        def explain() -> None:
+            try:
+                _explain_errors(args, choose=False, tokens=tokens)
+            except InvalidLogitsError as error:  # no row of this call has a token
+                raise InvalidLogitsError(error.rows, torch.full_like(tokens, -1)) from None
+
+        raise_for_errors(words, explain)
     return processed
