@@ -6,15 +6,29 @@ its `num_kv_heads · head_dim` values of K and of V; slot −1 (padding) writes
 nothing. The cast to the cache dtype happens in the wrapper with PyTorch's
 round-to-nearest-even (the Triton interpreter truncates float32 → bfloat16),
 so the kernel only moves bits and the result is exact on every backend.
+
+Host syncs and error words (issue 59): the host checks what it knows (shapes,
+dtypes, devices); the kernel checks each slot, writes nothing for one outside
+`[-1, num_blocks · block_size)` (so no value of `slot_mapping` writes outside the
+caches) and sets `ERROR_SLOT_OUT_OF_RANGE` in the token's error word. Duplicate
+slots are not memory-unsafe and a kernel cannot see them in one pass of one
+program a token: with `errors=` they are the caller's contract (which write wins
+is undefined); without it the wrapper checks them with the slot range, on the
+device, in its one read (`append_kv`).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .checks import INDEX_DTYPES, check_caches, check_tensor
+from .checks import INDEX_DTYPES, check_caches, check_tensor, error_words
+
+# Bits of a token's error word (0: fine).
+ERROR_SLOT_OUT_OF_RANGE = 1  # its slot is below -1 or past the cache: nothing written
+_SLOT_ERROR = tl.constexpr(ERROR_SLOT_OUT_OF_RANGE)  # a global a kernel reads is a constexpr
 
 
 @triton.jit
@@ -24,6 +38,8 @@ def _append_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    errors_ptr,
+    num_slots,
     key_stride_token,
     key_stride_head,
     value_stride_token,
@@ -37,7 +53,12 @@ def _append_kv_kernel(
     # The token's slot in every lane (one address, one cache line); 64-bit because
     # slot · row_size can pass 2^31 in a large cache.
     slot = tl.load(slot_mapping_ptr + token + offsets * 0).to(tl.int64)
-    mask = (offsets < row_size) & (slot >= 0)  # slot −1: padding, nothing written
+    # Slot −1: padding, nothing written; a slot out of range is an error, and nothing
+    # is written either, so no value of slot_mapping writes outside the caches.
+    in_range = (slot >= -1) & (slot < num_slots)
+    word = tl.where(in_range, 0, _SLOT_ERROR)
+    tl.store(errors_ptr + token + offsets * 0, word, mask=offsets == 0)  # one writer a token
+    mask = (offsets < row_size) & (slot >= 0) & in_range
     head = offsets // head_dim
     dim = offsets % head_dim
     t = token.to(tl.int64)
@@ -48,10 +69,11 @@ def _append_kv_kernel(
 
 
 def _check(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
-    """APPEND-VALID-1: every check before any write, each error naming the argument."""
+    """APPEND-VALID-1's host part: shapes, dtypes and devices, each error naming the
+    argument. Reads nothing from the device."""
     for name, t in (("key", key), ("value", value), ("slot_mapping", slots)):
         check_tensor(name, t)
-    num_blocks, block_size, num_kv_heads, head_dim = check_caches(k_cache, v_cache)
+    _, _, num_kv_heads, head_dim = check_caches(k_cache, v_cache)
     for name, t in (("key", key), ("value", value), ("v_cache", v_cache), ("slot_mapping", slots)):
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
@@ -69,6 +91,20 @@ def _check(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slots: 
         raise ValueError(f"slot_mapping must be int32 or int64, got {slots.dtype}")
     if list(slots.shape) != [key.shape[0]]:
         raise ValueError(f"slot_mapping must have shape [{key.shape[0]}], got {list(slots.shape)}")
+
+
+def _slots_are_bad(slots: Tensor, num_slots: int) -> Tensor:
+    """A 0-d bool tensor, computed on the device without a sync: a slot out of
+    `[-1, num_slots)`, or a slot other than −1 named twice (sorted, after giving each
+    −1 a distinct negative key)."""
+    skip_keys = -2 - torch.arange(slots.shape[0], device=slots.device, dtype=slots.dtype)
+    keys = torch.where(slots == -1, skip_keys, slots).sort().values
+    out_of_range = ((slots < -1) | (slots >= num_slots)).any()
+    return out_of_range | (keys[1:] == keys[:-1]).any()
+
+
+def _explain(slots: Tensor, num_blocks: int, block_size: int) -> None:
+    """APPEND-VALID-1's value part, with the message naming the slot (reads the device)."""
     num_slots = num_blocks * block_size
     if slots.numel():
         low, high = int(slots.min()), int(slots.max())
@@ -95,6 +131,7 @@ def append_kv(
     slot_mapping: Tensor,
     *,
     validate: bool = True,
+    errors: Tensor | None = None,
 ) -> None:
     """Write each token's key and value to its slot of the paged cache, in place.
 
@@ -107,14 +144,29 @@ def append_kv(
         v_cache: same shape and dtype as `k_cache`; written in place.
         slot_mapping: `[num_tokens]` int32/int64: flat slot
             `block · block_size + offset` of each token, −1 to skip it.
-        validate: check the arguments first (once per batch is enough).
+        validate: check the arguments' shapes, dtypes and devices first (on the
+            host; no device read), and, when `errors` is None, their values.
+        errors: `[num_tokens]` int32, contiguous, on the caches' device, or None.
+            Given, the kernel writes each token's error word there (0, or
+            `ERROR_SLOT_OUT_OF_RANGE`: that token wrote nothing; the others were
+            written) and the wrapper reads nothing: the caller reads the words
+            when it chooses. Duplicate slots are then the caller's contract (which
+            write wins is undefined; neither writes outside the caches).
 
     Returns:
         None: the caches are the output.
 
     Raises:
-        ValueError: a wrong shape, dtype, device or slot; nothing is written.
+        ValueError: a wrong shape, dtype, device or (when `errors` is None) slot,
+            duplicates included; nothing is written.
         TypeError: an argument that is not a tensor; nothing is written.
+
+    Cost (tests/kernels/test_contracts_attention.py): with `errors` given, 0 host
+    syncs, 1 launch (0 for no token), and at most 2 small torch ops (the casts of
+    `key` and `value` to the cache's dtype, or copies of them to a unit stride on
+    head_dim, each only when needed). With `errors` None and `validate`: 1 sync,
+    before the launch (APPEND-VALID-1: a rejected call writes nothing), and 12 more
+    small ops for the range and duplicate check (`_slots_are_bad`).
 
     Example:
         >>> k_cache = torch.zeros(2, 2, 1, 1); v_cache = torch.zeros(2, 2, 1, 1)
@@ -125,7 +177,15 @@ def append_kv(
     """
     if validate:
         _check(key, value, k_cache, v_cache, slot_mapping)
-    _launch(_append_kv_kernel, key, value, k_cache, v_cache, slot_mapping)
+    num_tokens = key.shape[0]
+    words = error_words(errors, num_tokens, k_cache.device)
+    if validate and errors is None and num_tokens:
+        # The one sync, before any write: the range and the duplicates, on the device.
+        num_blocks, block_size = k_cache.shape[:2]
+        if bool(_slots_are_bad(slot_mapping, num_blocks * block_size)):
+            _explain(slot_mapping, num_blocks, block_size)
+            raise RuntimeError("the slot check found an error that _explain does not")
+    _launch(_append_kv_kernel, key, value, k_cache, v_cache, slot_mapping, words)
 
 
 def _launch(
@@ -135,20 +195,20 @@ def _launch(
     k_cache: Tensor,
     v_cache: Tensor,
     slot_mapping: Tensor,
+    errors: Tensor,
 ) -> None:
     """Launch `kernel` (the append kernel's signature) on checked arguments, one program
-    a token."""
+    a token, writing each token's error word to `errors`."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
-    # Exact rounding to the cache dtype, and a unit stride on head_dim, before the copy.
-    key = key.to(k_cache.dtype)
-    value = value.to(v_cache.dtype)
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1:
-        value = value.contiguous()
-    _, _, num_kv_heads, head_dim = k_cache.shape
+    # Exact rounding to the cache dtype, and a unit stride on head_dim, before the copy:
+    # one copy of each at most, none when both hold already.
+    if key.dtype != k_cache.dtype or key.stride(-1) != 1:
+        key = key.to(k_cache.dtype, memory_format=torch.contiguous_format)
+    if value.dtype != v_cache.dtype or value.stride(-1) != 1:
+        value = value.to(v_cache.dtype, memory_format=torch.contiguous_format)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     row_size = num_kv_heads * head_dim
     kernel[(num_tokens,)](
         key,
@@ -156,6 +216,8 @@ def _launch(
         k_cache,
         v_cache,
         slot_mapping,
+        errors,
+        num_blocks * block_size,
         key.stride(0),
         key.stride(1),
         value.stride(0),

@@ -63,6 +63,13 @@ the attention kernel, the merge kernel it needs for splits, the split
 planner and the validating wrapper — and a downstream engine vendors it as
 one unit beside `checks.py`. Splitting it would separate a kernel from the
 launch arithmetic that must agree with it.
+
+No host sync (issue 59): the host checks shapes, dtypes and devices; the values of
+`block_table`, `seq_lens` and `query_start` are checked by program (b, 0, 0) of the
+short-tile launch, which writes sequence b's error word (`ERROR_*` bits), and a bad
+value is masked wherever it is used, so none reads or writes outside a tensor. The
+grid comes from shapes and the caller's host metadata (`max_query_len`,
+`max_seq_len`), never from a device read (`paged_attention`'s Cost).
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ from .checks import (
     check_index_tensor,
     check_kernel_device,
     check_tensor,
+    error_words,
+    raise_for_errors,
 )
 
 LOG2E = 1.4426950408889634
@@ -90,6 +99,15 @@ LN2 = tl.constexpr(0.6931471805599453)  # a global a kernel reads must be a cons
 KV_CHUNK = 512
 MAX_SPLITS = 64
 MAX_FORCED_SPLITS = 256
+# Bits of a sequence's error word (0: fine); a bad value is masked, never followed.
+ERROR_BLOCK_ID_OUT_OF_RANGE = 1  # a table entry it reads is outside [0, num_blocks)
+ERROR_SEQ_LEN_OUT_OF_RANGE = 2  # seq_lens[b] outside [0, capacity] (or max_seq_len)
+ERROR_QUERY_START_INVALID = 4  # decreasing, or not from 0 to num_tokens
+ERROR_QUERY_LEN_TOO_LONG = 8  # more rows than positions, or than max_query_len
+# Integer arguments that vary from call to call (batch, table width, splits): Triton must
+# not compile a variant for each value that is 1 or a multiple of 16.
+_RUNTIME_INTS = "batch num_tokens num_splits seq_len_limit max_query_len num_chunks".split()
+_RUNTIME_INTS += ["block_table_stride", "chunk_stride"]
 
 
 # ---------------------------------------------------------------- kernels
@@ -141,7 +159,7 @@ def _finish(m_run, l_run, acc_run, EXP2: tl.constexpr):
     return acc_run / l_safe[:, None], tl.where(seen, lse, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -154,8 +172,13 @@ def _paged_attention_kernel(
     chunk_m_ptr,
     chunk_l_ptr,
     chunk_acc_ptr,
+    errors_ptr,
     qk_scale,
     batch,
+    num_tokens,
+    num_blocks,
+    seq_len_limit,
+    max_query_len,
     block_size,
     num_q_heads,
     head_dim,
@@ -185,9 +208,33 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
     # The launch of short sequences (ONE_TILE): tile b is sequence b's only tile.
     seq = tile if ONE_TILE else _find_sequence(query_start_ptr, tile, batch, BLOCK_Q, True)
-    q_start = tl.load(query_start_ptr + seq).to(tl.int32)
-    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    first = tl.load(query_start_ptr + seq)  # as stored: checked before they are narrowed
+    last = tl.load(query_start_ptr + seq + 1)
+    length = tl.load(seq_lens_ptr + seq)
+    table_row = block_table_ptr + seq.to(tl.int64) * block_table_stride
+    if ONE_TILE:  # program (b, 0, 0) checks sequence b: its error word's one writer
+        if (kv_head == 0) & (split == 0):
+            # The table entries the sequence reads: the first ceil(seq_len / block_size).
+            used = tl.cdiv(tl.minimum(tl.maximum(length, 0), seq_len_limit), block_size)
+            bad_block = tl.zeros([BLOCK_N], tl.int32)
+            for j in range(0, used, BLOCK_N):
+                col = j + tl.arange(0, BLOCK_N)
+                block = tl.load(table_row + col, mask=col < used, other=0)
+                bad_block = bad_block | ((block < 0) | (block >= num_blocks)).to(tl.int32)
+            n = last - first
+            bad_start = (n < 0) | ((seq == 0) & (first != 0))
+            bad_start = bad_start | ((seq == batch - 1) & (last != num_tokens))
+            too_long = ((length > 0) & (n > length)) | (n > max_query_len)
+            word = tl.where(tl.max(bad_block, 0) > 0, 1, 0)  # the ERROR_* bits, in order
+            word = word | tl.where((length < 0) | (length > seq_len_limit), 2, 0)
+            word = word | tl.where(bad_start, 4, 0) | tl.where(too_long, 8, 0)
+            tl.store(errors_ptr + seq, word)
+    # Bad values are masked, never followed: a clamped seq_len reads only its table row
+    # and the chunk buffers' chunks, rows outside q are never read or written (row_valid),
+    # blocks outside the caches never read (kv_valid).
+    q_start = first.to(tl.int32)
+    q_len = last.to(tl.int32) - q_start
+    seq_len = tl.minimum(tl.maximum(length, 0), seq_len_limit).to(tl.int32)
     first_row = tile * 0 if ONE_TILE else (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
     # A sequence the other launch owns (_launches), or a surplus tile of this one.
     if ((q_len > BLOCK_Q) if ONE_TILE else (q_len <= short_q_len)) | (first_row >= q_len):
@@ -198,8 +245,8 @@ def _paged_attention_kernel(
     m = tl.arange(0, BLOCK_M)
     row = first_row + m // GROUP
     head = kv_head * GROUP + m % GROUP
-    row_valid = (m < BLOCK_Q * GROUP) & (row < q_len)
     token = (q_start + row).to(tl.int64)
+    row_valid = (m < BLOCK_Q * GROUP) & (row < q_len) & (token >= 0) & (token < num_tokens)
     out_row = token * num_q_heads + head  # in out, lse and each chunk's slice of the buffers
     position = seq_len - q_len + row  # ATTN-CAUSAL-1: the row sees positions <= this
     d = tl.arange(0, BLOCK_D)
@@ -215,7 +262,6 @@ def _paged_attention_kernel(
     # The positions the tile's last row sees, in chunks at fixed boundaries: this program
     # takes chunks split, split + num_splits, ... (every one when not split).
     kv_end = tl.maximum(seq_len - q_len + tl.minimum(first_row + BLOCK_Q, q_len), 0)
-    table_row = block_table_ptr + seq.to(tl.int64) * block_table_stride
     head_offset = kv_head * head_dim
     m_run = tl.full([BLOCK_M], float("-inf"), COMPUTE)
     l_run = tl.zeros([BLOCK_M], COMPUTE)
@@ -232,15 +278,16 @@ def _paged_attention_kernel(
             # Only the table entries of positions < seq_len are read (ATTN-BOUNDS-1);
             # 64-bit because slot · row size passes 2^31 in a large cache.
             block = tl.load(table_row + n // block_size, mask=n_valid, other=0).to(tl.int64)
+            kv_valid = n_valid & (block >= 0) & (block < num_blocks)  # a bad id: not read
             row_offset = (block * block_size + n % block_size) * cache_stride_slot + head_offset
             k = tl.load(  # [BLOCK_D, BLOCK_N]: K transposed
                 k_cache_ptr + row_offset[None, :] + d[:, None],
-                mask=d_valid[:, None] & n_valid[None, :],
+                mask=d_valid[:, None] & kv_valid[None, :],
                 other=0.0,
             )
             v = tl.load(
                 v_cache_ptr + row_offset[:, None] + d[None, :],
-                mask=n_valid[:, None] & d_valid[None, :],
+                mask=kv_valid[:, None] & d_valid[None, :],
                 other=0.0,
             )
             if UPCAST:
@@ -294,7 +341,7 @@ def _paged_attention_kernel(
             tl.store(lse_ptr + out_row, lse.to(lse_ptr.dtype.element_ty), mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _merge_splits_kernel(
     chunk_m_ptr,
     chunk_l_ptr,
@@ -304,6 +351,7 @@ def _merge_splits_kernel(
     out_ptr,
     lse_ptr,
     batch,
+    num_chunks,
     num_q_heads,
     head_dim,
     chunk_stride,
@@ -326,13 +374,14 @@ def _merge_splits_kernel(
     q_end = tl.load(query_start_ptr + seq + 1).to(tl.int32)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     # The chunks this row sees (its position is seq_len − q_len + row), all written by
-    # the attention kernel, folded in order as the unsplit path folds them.
-    num_chunks = tl.cdiv(tl.maximum(seq_len - q_end + token + 1, 0), KV_CHUNK)
+    # the attention kernel, folded in order as the unsplit path folds them; never past
+    # the buffers, whatever seq_lens and query_start hold.
+    seen = tl.cdiv(tl.maximum(seq_len - q_end + token + 1, 0), KV_CHUNK)
     out_row = token.to(tl.int64) * num_q_heads + h
     m_run = tl.full([BLOCK_H], float("-inf"), COMPUTE)
     l_run = tl.zeros([BLOCK_H], COMPUTE)
     acc_run = tl.zeros([BLOCK_H, BLOCK_D], COMPUTE)
-    for c in range(0, num_chunks):
+    for c in range(0, tl.minimum(seen, num_chunks)):
         chunk = tl.cast(c, tl.int64) * chunk_stride + out_row
         m_c = tl.load(chunk_m_ptr + chunk, mask=h_valid, other=float("-inf"))
         l_c = tl.load(chunk_l_ptr + chunk, mask=h_valid, other=0.0)
@@ -381,13 +430,17 @@ def _tile_shape(rows: int, group: int, head_dim: int, fp64: bool) -> dict:
     }
 
 
-def _launches(num_tokens: int, batch: int, group: int, head_dim: int, fp64: bool) -> list:
+def _launches(num_tokens: int, batch: int, group: int, head_dim: int, fp64: bool, longest=None):
     """The attention kernel's launches, (block sizes, tiles, ONE_TILE, short_q_len) each:
     16-row tiles for sequences of q_len <= short_q_len, one each; 64-row tiles (16 for
-    float64) for the others, numbered per sequence (module docstring)."""
+    float64) for the others, numbered per sequence (module docstring). The second only
+    when a sequence may be longer than a short tile (its q_len bound `longest`, the
+    caller's max_query_len, else num_tokens): a decode batch gets one launch."""
     short = _tile_shape(16, group, head_dim, fp64)
     launches = [(short, batch, True, 0)]
-    if num_tokens > short["BLOCK_Q"]:  # some sequence may be longer
+    if (
+        min(num_tokens, num_tokens if longest is None else longest) > short["BLOCK_Q"]
+    ):  # some sequence may be longer
         long = _tile_shape(16 if fp64 else 64, group, head_dim, fp64)
         launches.append((long, num_tokens // long["BLOCK_Q"] + batch, False, short["BLOCK_Q"]))
     return launches
@@ -421,7 +474,13 @@ def choose_num_splits(
     return max(1, min(-(-target // programs), -(-capacity // KV_CHUNK), MAX_SPLITS))
 
 
-def default_num_splits(q: Tensor, k_cache: Tensor, block_table: Tensor, seq_lens: Tensor) -> int:
+def default_num_splits(
+    q: Tensor,
+    k_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    max_seq_len: int | None = None,
+) -> int:
     """The split count `paged_attention` uses for these arguments when `num_splits` is None
     (a matter of speed: any count gives the same bits)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -431,7 +490,13 @@ def default_num_splits(q: Tensor, k_cache: Tensor, block_table: Tensor, seq_lens
     long = _launches(num_tokens, batch, group, head_dim, fp64)[-1][0]
     # Query tiles: at least as many as have work, in all launches together.
     num_tiles = num_tokens // long["BLOCK_Q"] + batch
-    return choose_num_splits(num_tiles, num_kv_heads, block_table.shape[1] * block_size, q.device)
+    capacity = _seq_len_limit(block_table.shape[1] * block_size, max_seq_len)
+    return choose_num_splits(num_tiles, num_kv_heads, capacity, q.device)
+
+
+def _seq_len_limit(capacity: int, max_seq_len: int | None) -> int:
+    """The largest seq_len the call allows: the table's capacity, or max_seq_len below it."""
+    return capacity if max_seq_len is None else min(capacity, max_seq_len)
 
 
 # ---------------------------------------------------------------- validation
@@ -446,8 +511,11 @@ def _check(
     query_start: Tensor,
     scale: float | None,
     num_splits: int | None,
+    max_query_len: int | None,
+    max_seq_len: int | None,
 ) -> None:
-    """ATTN-VALID-1, plus `num_splits`: every check before any launch."""
+    """ATTN-VALID-1's host part, plus `num_splits` and the metadata: shapes, dtypes,
+    devices and Python numbers, before any launch; reads nothing from the device."""
     for name, t in (
         ("q", q),
         ("k_cache", k_cache),
@@ -471,7 +539,7 @@ def _check(
         raise ValueError(f"k_cache must have q's dtype {q.dtype}, got {k_cache.dtype}")
     if k_cache.device != q.device:
         raise ValueError(f"k_cache is on {k_cache.device}, q on {q.device}")
-    num_blocks, block_size, num_kv_heads, kv_head_dim = check_caches(k_cache, v_cache)
+    _, _, num_kv_heads, kv_head_dim = check_caches(k_cache, v_cache)
     if kv_head_dim != head_dim:
         raise ValueError(f"k_cache has head_dim {kv_head_dim}, q has head_dim {head_dim}")
     if num_q_heads % num_kv_heads != 0:
@@ -503,8 +571,29 @@ def _check(
         raise ValueError(
             f"num_splits must be None or an int in [1, {MAX_FORCED_SPLITS}], got {num_splits!r}"
         )
+    for name, bound in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if bound is not None and not (
+            isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0
+        ):
+            raise ValueError(f"{name} must be None or an int >= 0, got {bound!r}")
+    if batch == 0 and num_tokens != 0:
+        raise ValueError(f"query_start must end at num_tokens={num_tokens}: no sequence, no row")
 
-    # Values: one copy of the small index tensors to the host.
+
+def _explain(
+    q: Tensor,
+    k_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    query_start: Tensor,
+    max_query_len: int | None,
+    max_seq_len: int | None,
+) -> None:
+    """ATTN-VALID-1's value part: raise the error the kernel's words report, naming the
+    argument, row and value (reads the device: the failing path only)."""
+    num_tokens = q.shape[0]
+    num_blocks, block_size = k_cache.shape[:2]
+    batch, max_blocks = block_table.shape
     lens = seq_lens.tolist()
     starts = query_start.tolist()
     capacity = max_blocks * block_size
@@ -514,6 +603,8 @@ def _check(
                 f"seq_lens[{b}] = {n} must be in [0, {capacity}] "
                 f"(max_blocks_per_seq {max_blocks} × block_size {block_size})"
             )
+        if max_seq_len is not None and n > max_seq_len:
+            raise ValueError(f"seq_lens[{b}] = {n} is more than max_seq_len = {max_seq_len}")
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise ValueError(
             f"query_start must start at 0 and end at num_tokens={num_tokens}, "
@@ -530,6 +621,11 @@ def _check(
             raise ValueError(
                 f"query_start gives sequence {b} {q_len} query rows, more than its "
                 f"seq_lens[{b}] = {lens[b]} positions"
+            )
+        if max_query_len is not None and q_len > max_query_len:
+            raise ValueError(
+                f"query_start gives sequence {b} {q_len} query rows, more than "
+                f"max_query_len = {max_query_len}"
             )
     # The table entries the kernel reads: the first ceil(seq_len / block_size) of each row.
     read = torch.arange(max_blocks, device=q.device)[None, :] * block_size < seq_lens[:, None]
@@ -557,6 +653,9 @@ def paged_attention(
     return_lse: bool = False,
     validate: bool = True,
     num_splits: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    errors: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal attention of packed queries over a paged KV cache (spec.attention.paged_attention).
 
@@ -577,14 +676,27 @@ def paged_attention(
             in `q`; its rows are its last `q_len` positions (causal, bottom-right).
         scale: multiplies the dot products; `1 / sqrt(head_dim)` if None.
         return_lse: also return each row's log-sum-exp of scaled scores.
-        validate: check the arguments first (ATTN-VALID-1; one host read of
-            `seq_lens` and `query_start`). Unchecked bad arguments are
-            undefined behaviour: check once per batch layout, pass False for
-            the other layers.
+        validate: check shapes, dtypes and devices on the host (ATTN-VALID-1),
+            and, when `errors` is None, read the kernel's error words once and
+            raise. False skips both: a wrong shape is then undefined behaviour
+            (bad index values never are: the kernel masks them).
         num_splits: programs sharing each tile's KV chunks (split-KV); None
             lets `choose_num_splits` decide. A matter of speed only: every
             count gives the same bits, and so does every batch a sequence is
             in (issue 40; the module docstring's Split-KV section).
+        max_query_len: a bound on every sequence's q_len that the engine knows
+            on the host (vLLM's and FlashInfer's plan metadata). At most one
+            short tile's rows (a decode or short verify batch): one launch, not
+            two. A sequence over it gets no output and `ERROR_QUERY_LEN_TOO_LONG`.
+        max_seq_len: a bound on every `seq_lens[b]`, below the table's capacity:
+            smaller split-KV buffers and split counts. One over it reads only
+            its first max_seq_len positions and gets `ERROR_SEQ_LEN_OUT_OF_RANGE`.
+        errors: `[batch]` int32, contiguous, on q's device, or None. Given, the
+            kernel writes each sequence's error word there (0, or ERROR_* bits:
+            a block id, seq_len or query_start out of range, which the kernel
+            masked, never followed: the sequence's rows are then unspecified)
+            and the wrapper reads nothing: the caller reads the words when it
+            chooses.
 
     Returns:
         `out`, `[num_tokens, num_q_heads, head_dim]` in q's dtype; with
@@ -592,10 +704,18 @@ def paged_attention(
         (float64 for float64 inputs).
 
     Raises:
-        ValueError: a wrong shape, dtype, device, index or value; the message
-            names the argument. Nothing is launched.
+        ValueError: a wrong shape, dtype, device (nothing launched) or, when
+            `errors` is None, index or value (after the launch, which masked
+            it); the message names the argument.
         TypeError: an argument that must be a tensor is not; the message names
             it. Nothing is launched.
+
+    Cost (tests/kernels/test_contracts_attention.py), with `errors` given: 0 host
+    syncs; launches: 1 attention launch when `max_query_len` fits a short tile
+    (decode), else 2 (short and long tiles), plus 1 merge when split (num_splits >
+    1); small torch ops: at most 1 (q · scale in float64, or a copy of a q whose
+    head_dim is strided). With `errors` None and `validate`: 1 sync after the
+    launches (`raise_for_errors`) and 2 more small ops (zeroing and reducing the words).
 
     Example:
         Two positions in blocks of one slot, stored in reverse order. Zero
@@ -614,18 +734,20 @@ def paged_attention(
         >>> lse[:, 0]
         tensor([0.0000, 0.6931])
     """
+    limits = (max_query_len, max_seq_len)
     if validate:
-        _check(q, k_cache, v_cache, block_table, seq_lens, query_start, scale, num_splits)
+        _check(q, k_cache, v_cache, block_table, seq_lens, query_start, scale, num_splits, *limits)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
+    words = error_words(errors, batch, q.device)
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     fp64 = q.dtype == torch.float64
     compute = torch.float64 if fp64 else torch.float32
     out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, num_q_heads, dtype=compute, device=q.device)
-    if num_tokens == 0:
+    if batch == 0:  # then no row either (_check): nothing to launch, no word to write
         return (out, lse) if return_lse else out
 
     if fp64:
@@ -633,12 +755,13 @@ def paged_attention(
         q, qk_scale = q * scale, 1.0
     else:
         q, qk_scale = (q if q.stride(-1) == 1 else q.contiguous()), scale * LOG2E
-    launches = _launches(num_tokens, batch, group, head_dim, fp64)
+    launches = _launches(num_tokens, batch, group, head_dim, fp64, max_query_len)
     if num_splits is None:
-        num_splits = default_num_splits(q, k_cache, block_table, seq_lens)
-    split = num_splits > 1
+        num_splits = default_num_splits(q, k_cache, block_table, seq_lens, max_seq_len)
+    split = num_splits > 1 and num_tokens > 0
     # Split: each chunk's state, for every chunk the table could hold (no device read).
-    num_chunks = -(-block_table.shape[1] * block_size // KV_CHUNK) if split else 0
+    seq_len_limit = _seq_len_limit(block_table.shape[1] * block_size, max_seq_len)
+    num_chunks = -(-seq_len_limit // KV_CHUNK) if split else 0
     chunk_m = torch.empty(num_chunks, num_tokens, num_q_heads, dtype=compute, device=q.device)
     chunk_l = torch.empty_like(chunk_m)
     chunk_acc = torch.empty(*chunk_m.shape, head_dim, dtype=compute, device=q.device)
@@ -658,8 +781,13 @@ def paged_attention(
             chunk_m,
             chunk_l,
             chunk_acc,
+            words,
             qk_scale,
             batch,
+            num_tokens,
+            num_blocks,
+            seq_len_limit,
+            num_tokens if max_query_len is None else max_query_len,
             block_size,
             num_q_heads,
             head_dim,
@@ -680,7 +808,9 @@ def paged_attention(
             ONE_TILE=one_tile,
             SPLIT=split,
             STORE_LSE=return_lse,
-            num_warps=4,
+            # Past head_dim 64, 4 warps need all 255 registers and still spill a decode
+            # tile on sm_90; 8 do not (ptxas -v, tests/kernels/compile_for_gpu.py).
+            num_warps=4 if tiles["BLOCK_D"] <= 64 else 8,
             num_stages=2,
             enable_fp_fusion=False,
             **tiles,
@@ -697,6 +827,7 @@ def paged_attention(
             out,
             lse,
             batch,
+            num_chunks,
             num_q_heads,
             head_dim,
             chunk_stride,
@@ -709,4 +840,7 @@ def paged_attention(
             num_warps=4,
             enable_fp_fusion=False,
         )
+    if validate and errors is None:  # the one sync: read the words, explain a bad one
+        explain = (q, k_cache, block_table, seq_lens, query_start, *limits)
+        raise_for_errors(words, lambda: _explain(*explain))
     return (out, lse) if return_lse else out

@@ -138,10 +138,11 @@ def check_logits(logits: Tensor) -> None:
 
 
 def error_words(errors: Tensor | None, rows: int, device: torch.device) -> Tensor:
-    """The `[rows]` int32 error words a launch writes: `errors`, checked, or a new
-    tensor (the kernel writes every row's word, so it needs no clearing)."""
+    """The `[rows]` int32 error words a launch writes: `errors`, checked, or new ones,
+    zeroed (the wrapper reads those itself: a word no program wrote reads as fine,
+    never as stale memory)."""
     if errors is None:
-        return torch.empty(rows, dtype=torch.int32, device=device)
+        return torch.zeros(rows, dtype=torch.int32, device=device)
     check_tensor("errors", errors)
     if list(errors.shape) != [rows] or errors.dtype != torch.int32 or not errors.is_contiguous():
         raise ValueError(

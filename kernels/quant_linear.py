@@ -14,9 +14,11 @@ with the activations. Two kernels share that tile:
 - `_quantized_gemv_kernel`, decode (few rows, and float64): one program per
   (row of `x`, block of outputs, slice of `K`); products and sums on the FMA
   units. A memory-bound GEMV needs many programs to keep every SM loading, so
-  `K` is split (split-K) when the output blocks alone are too few; the partial
-  sums land in a float32 buffer `[splits, M, N]` that the wrapper adds up (in
-  a fixed order: deterministic).
+  `K` is split (split-K) when the output blocks alone are too few (under
+  `ENOUGH_PROGRAMS`) and K is long enough; the partial sums land in a float32
+  buffer `[splits, M, N]` that the wrapper adds up (in a fixed order:
+  deterministic). Small matrices, and grids already wide enough, are not split:
+  one launch writes the result in x's dtype, nothing else runs.
 - `_quantized_gemm_kernel`, prefill (`GEMM_MIN_ROWS` rows or more): `[BLOCK_M, BLOCK_N]`
   output tiles, `tl.dot` on the tensor cores with the dequantized tile cast
   to the activation dtype (float32: `input_precision="ieee"`, no TF32).
@@ -37,7 +39,6 @@ tutorials' matmul (03-matrix-multiplication) is the GEMM's skeleton.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -115,7 +116,9 @@ def dequantize_tile(  # noqa: ANN201 (a Triton block)
     return tl.where(k_valid[None, :], w, 0.0)
 
 
-@triton.jit
+# M, the rows of x, follows the batch: not specialised (Triton would compile a variant
+# for 1 and for multiples of 16), one compiled kernel for every batch.
+@triton.jit(do_not_specialize=["M"])
 def _quantized_gemv_kernel(
     x_ptr,
     q_ptr,
@@ -156,7 +159,7 @@ def _quantized_gemv_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # as the GEMV's
 def _quantized_gemm_kernel(
     x_ptr,
     q_ptr,
@@ -289,25 +292,29 @@ def _groups_in_tile(group_size: int, block_k: int) -> int:
     return 0
 
 
-def _programs_wanted(device: torch.device) -> int:
-    """How many programs keep the device loading: a few per SM (4 in the interpreter,
-    so that small test shapes split K too)."""
+# No split-K once the grid over the outputs alone has this many programs: about two per
+# SM of an H100 (132 SMs) keep every SM loading, and a split would cost its partial
+# sums' write, read and reduction (one more operation).
+ENOUGH_PROGRAMS = 128
+# On a GPU a K slice is at least this many K-tiles: a shorter one hides less latency
+# than its partial sums cost, so small matrices are not split at all.
+MIN_K_TILES_PER_SPLIT = 4
+
+
+def _split_policy(device: torch.device) -> tuple[int, int]:
+    """(programs that keep the device loading, K-tiles a slice holds at least). The
+    interpreter's are small, so that small test shapes split K too."""
     if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return 4 * _multiprocessors(index)
-
-
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    """The SM count of CUDA device `index`, asked once (every decode step calls this)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
+        return 4, 1
+    return ENOUGH_PROGRAMS, MIN_K_TILES_PER_SPLIT
 
 
 def _splits(tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
-    """(number of K slices, K per slice, a multiple of `block_k`) for `tiles` output tiles."""
+    """(number of K slices, K per slice, a multiple of `block_k`) for `tiles` output tiles:
+    1 slice when the tiles alone are enough programs or K is short."""
     k_tiles = triton.cdiv(k, block_k)
-    splits = max(1, min(k_tiles, _programs_wanted(device) // max(tiles, 1), 32))
+    wanted, min_k_tiles = _split_policy(device)
+    splits = max(1, min(k_tiles // min_k_tiles, wanted // max(tiles, 1), 32))
     k_per_split = triton.cdiv(k_tiles, splits) * block_k
     return triton.cdiv(k, k_per_split), k_per_split
 
@@ -332,6 +339,12 @@ def quantized_linear(
         ValueError: a wrong dtype, shape, device, group_size or bits; the message names
             the argument.
         TypeError: an argument that is not a tensor.
+
+    Contract: 0 host syncs (every check is of shapes, dtypes and devices), 1 launch, 0
+    other device operations when K is not split (`_splits`: the grid over the outputs
+    has `ENOUGH_PROGRAMS`, or K is short); split, 2 more (the slices' sum, its
+    rounding to x's dtype). In the interpreter bfloat16 adds the rounding. One
+    compiled kernel for every number of rows M.
 
     Example:
         >>> q = torch.tensor([[0x31]], dtype=torch.uint8)  # codes 1 (low nibble), 3 (high)

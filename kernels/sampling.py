@@ -677,7 +677,10 @@ def greedy(logits: Tensor) -> Tensor:
         tensor([1])
     """
     check_logits(logits)
-    tokens, _, _ = _launch(logits, {}, choose=True)  # no temperature: every row greedy
+    # No temperature: every row greedy. Its invalid rows say so by their −1 tokens, so
+    # the words are scratch nobody reads (not cleared).
+    unread = torch.empty(logits.shape[0], dtype=torch.int32, device=logits.device)
+    tokens, _, _ = _launch(logits, {}, choose=True, errors=unread)
     return tokens
 
 

@@ -6,7 +6,9 @@ shows shared-memory or register limits. This script runs the public wrappers
 on CPU tensors with every launch intercepted: instead of running, each
 launch is compiled ahead of time, with the exact arguments, constexprs and
 launch options the wrapper chose, for `GPUTarget("cuda", 90, 32)` (ptxas
-ships with the triton wheel). It prints one JSON line per launch.
+ships with the triton wheel). It prints one JSON line per launch, with the
+shared memory, and the registers per thread and spilled bytes that ptxas
+reports for the PTX (`ptxas -v`).
 
     python -m tests.kernels.compile_for_gpu
 
@@ -17,7 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -27,6 +32,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
@@ -58,6 +64,28 @@ def scalar_type(value: object) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
+def register_report(ptx: str) -> dict:
+    """Registers per thread and spilled bytes of a kernel's PTX, as ptxas reports them."""
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as file:
+            file.write(ptx)
+        arch = f"sm_{TARGET.arch}a"
+        run = subprocess.run(
+            [get_ptxas(TARGET.arch).path, "-v", "--gpu-name", arch, source, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    report = run.stdout + run.stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return {
+        "registers": int(registers.group(1)),
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+    }
+
+
 def compile_launch(function: JITFunction, args: tuple, kwargs: dict) -> dict:
     """Compile one launch for TARGET; its name, constexprs and resource use."""
     options = {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
@@ -77,9 +105,11 @@ def compile_launch(function: JITFunction, args: tuple, kwargs: dict) -> dict:
     )
     return {
         "kernel": function.__name__,
+        "first_pointer": next(t for t in signature.values() if t.startswith("*")),
         "constexprs": {k: str(v) for k, v in constexprs.items()},
         "shared_bytes": compiled.metadata.shared,
         "fits": compiled.metadata.shared <= SHARED_MEMORY_LIMIT,
+        **register_report(compiled.asm["ptx"]),
         "compile_s": round(time.perf_counter() - start, 2),
     }
 

@@ -4,11 +4,12 @@ Runs tests/kernels/compile_for_gpu.py in a fresh process (the kernels must be
 JIT functions there, not the interpreter's), which compiles every launch the
 wrappers make for a set of configurations covering each dtype, the split-KV
 merge, prefill tiles and head dims 64 to 256, and the sampling kernels with
-every processor and filter on.
+every processor and filter on, and reports each launch's registers and spills.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -18,7 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_launch_compiles_for_sm90_and_fits_shared_memory():
+@functools.cache
+def compile_every_launch() -> list[dict]:
+    """The script's report, one dict per launch (compiled once per test process)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default; set to silence Triton 3.9's notice
     run = subprocess.run(
@@ -30,7 +33,11 @@ def test_every_launch_compiles_for_sm90_and_fits_shared_memory():
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    launches = [json.loads(line) for line in run.stdout.splitlines()]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def test_every_launch_compiles_for_sm90_and_fits_shared_memory():
+    launches = compile_every_launch()
     kernels = {launch["kernel"] for launch in launches}
     assert kernels == {
         "_paged_attention_kernel",
@@ -44,3 +51,28 @@ def test_every_launch_compiles_for_sm90_and_fits_shared_memory():
     assert all(launch["fits"] for launch in launches)
     computes = {launch["constexprs"].get("COMPUTE") for launch in launches}
     assert {"fp32", "fp64"} <= computes
+
+
+def spills(launch: dict) -> str:
+    return f"{launch['kernel']} {launch['constexprs']}: {launch['spill_bytes']} bytes"
+
+
+def test_the_hot_paths_do_not_spill_registers():
+    """ptxas's own report (`ptxas -v`) for sm_90: the decode step's launches (attention
+    tiles of 16 rows over a bfloat16 or float16 cache, head_dim up to 128; the sampling,
+    logprobs, verification, append and merge kernels) keep everything in registers.
+    Prefill tiles, head_dim 256, float32 and float64 caches still spill (the compile
+    script prints how much)."""
+    launches = compile_every_launch()
+    hot = [
+        launch
+        for launch in launches
+        if launch["kernel"] != "_paged_attention_kernel"
+        or (
+            launch["constexprs"]["ONE_TILE"] == "True"
+            and launch["first_pointer"] in ("*bf16", "*fp16")
+            and int(launch["constexprs"]["BLOCK_D"]) <= 128
+        )
+    ]
+    assert len(hot) >= 13
+    assert [spills(launch) for launch in hot if launch["spill_bytes"]] == []

@@ -22,6 +22,8 @@ def _append_kv_kernel_without_skip(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    errors_ptr,
+    num_slots,
     key_stride_token,
     key_stride_head,
     value_stride_token,
@@ -33,7 +35,9 @@ def _append_kv_kernel_without_skip(
     token = tl.program_id(0)
     offsets = tl.arange(0, BLOCK)
     slot = tl.load(slot_mapping_ptr + token + offsets * 0).to(tl.int64)
-    mask = offsets < row_size  # the mutation: `& (slot >= 0)` is gone
+    in_range = (slot >= -1) & (slot < num_slots)
+    tl.store(errors_ptr + token + offsets * 0, tl.where(in_range, 0, 1), mask=offsets == 0)
+    mask = (offsets < row_size) & in_range  # the mutation: `& (slot >= 0)` is gone
     head = offsets // head_dim
     dim = offsets % head_dim
     t = token.to(tl.int64)
@@ -43,7 +47,9 @@ def _append_kv_kernel_without_skip(
     tl.store(v_cache_ptr + slot * row_size + offsets, value, mask=mask)
 
 
-def append_kv(key, value, k_cache, v_cache, slot_mapping, *, validate=True) -> None:
+def append_kv(key, value, k_cache, v_cache, slot_mapping, *, validate=True, errors=None) -> None:
     if validate:
         append._check(key, value, k_cache, v_cache, slot_mapping)
-    append._launch(_append_kv_kernel_without_skip, key, value, k_cache, v_cache, slot_mapping)
+    words = append.error_words(errors, key.shape[0], k_cache.device)
+    kernel = _append_kv_kernel_without_skip
+    append._launch(kernel, key, value, k_cache, v_cache, slot_mapping, words)
