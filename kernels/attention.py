@@ -808,9 +808,9 @@ def paged_attention(
             ONE_TILE=one_tile,
             SPLIT=split,
             STORE_LSE=return_lse,
-            # Past head_dim 64, 4 warps need all 255 registers and still spill a decode
-            # tile on sm_90; 8 do not (ptxas -v, tests/kernels/compile_for_gpu.py).
-            num_warps=4 if tiles["BLOCK_D"] <= 64 else 8,
+            # Past a 16 × 64 tile, 4 warps need all 255 registers and still spill on
+            # sm_90; 8 do not (ptxas -v, tests/kernels/compile_for_gpu.py).
+            num_warps=4 if tiles["BLOCK_M"] * tiles["BLOCK_D"] <= 1024 else 8,
             num_stages=2,
             enable_fp_fusion=False,
             **tiles,

@@ -138,6 +138,7 @@ def attention_calls() -> None:
         ([(40, 1), (9, 1)], 8, 4, 128, 16, torch.bfloat16, torch.int32, None),  # decode
         ([(40, 1), (9, 1)], 8, 4, 128, 16, torch.bfloat16, torch.int32, 4),  # split-KV
         ([(30, 20), (9, 1)], 3, 3, 64, 16, torch.bfloat16, torch.int64, None),  # SmolLM2 prefill
+        ([(300, 200), (9, 1)], 8, 4, 128, 16, torch.bfloat16, torch.int32, None),  # 8B prefill
         ([(30, 1)], 2, 8, 256, 1, torch.float16, torch.int32, None),
         ([(30, 20)], 2, 8, 256, 3, torch.float16, torch.int32, 2),
         ([(30, 20)], 1, 1, 80, 16, torch.float32, torch.int32, None),
