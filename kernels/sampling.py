@@ -1,4 +1,4 @@
-"""Sampling in Triton: from logits to tokens in one fused, sort-free pass per row.
+"""Sampling in Triton: from logits to tokens in one fused, sort-free launch per row.
 
 Same names, signatures and semantics as `decodespec.spec.sampling.sample`,
 `process_logits`, `greedy`, the three filter masks and `uniform` (SAMPLE-*,
@@ -24,10 +24,20 @@ time:
      mass top-k kept; a token is kept iff its key is ≥ v, so the crossing
      token and its ties stay;
    - min-p: `ln m` directly (`s_max = 0`).
-4. one more pass draws `argmax(s + G)` over the kept tokens, with
-   `G = −ln(−ln U)` and U from Philox4x32-10 over the counter
-   `(index, step_lo, step_hi, 0)` and key `seed` (SAMPLE-RNG-2): the
-   numbers are bit-identical to the spec's.
+   When a row draws a token with top-k or top-p on, the searches run on
+   *candidates* instead of the row: one pass counts the tokens and their mass
+   at or above 16 fixed values of s (−j²/8, down to −32) and takes the highest
+   that top-k (at least k tokens at or above it) or top-p (at least p · Z of
+   mass, with a margin) cannot cut below; a second pass compacts the tokens at
+   or above it, value and index, in index order. Every token a filter keeps
+   is a candidate, and a search over them gives the row's answer (below the
+   bound its counts and masses only stay at or above what it needs). Where no
+   value qualifies, or the candidates' exact mass falls short of p · Z, the
+   searches walk the row as above: the same thresholds either way.
+4. one more pass (over the candidates, when there are) draws `argmax(s + G)`
+   over the kept tokens, with `G = −ln(−ln U)` and U from Philox4x32-10 over
+   the counter `(index, step_lo, step_hi, 0)` and key `seed` (SAMPLE-RNG-2):
+   the numbers are bit-identical to the spec's.
 
 The kernel also judges the parameters' values (PARAM-RANGE-1) and writes one
 error word per row (`checks.py`): invalid rows (NaN, +inf, nothing finite,
@@ -39,8 +49,10 @@ once per step); otherwise the wrapper reads them once and raises
 `InvalidLogitsError` or the ValueError naming the parameter.
 
 Passes over a row (tests/kernels/test_contracts_sampling.py counts them): greedy
-1 read; temperature alone or with min-p 2; top-k 10; top-p 11; both 19 (each
-value-domain search takes 8). One read is the target. A row's
+1 read; temperature alone or with min-p 2; at temperature 0.7, top-k 50 with
+or without top-p 0.9 3.1–3.6 (10 and 19 walking the row), top-p alone 3.0–3.3
+on logits of standard deviation 2 to 8 and 9.3 on standard deviation 1, whose
+candidates are half the row. One read is the target. A row's
 result depends only on that row and its parameters (batch invariance), and
 every reduction has a fixed order (the same inputs give the same tokens).
 
@@ -86,6 +98,8 @@ ERROR_INVALID_LOGITS = tl.constexpr(1)  # NaN, +inf or nothing finite (SAMPLE-VA
 ERROR_OUT_OF_RANGE = tl.constexpr(2)  # a parameter outside its range (PARAM-RANGE-1)
 ERROR_NO_SEED = tl.constexpr(4)  # a sampled row and no seed
 ARGUMENT_ERRORS = ERROR_OUT_OF_RANGE | ERROR_NO_SEED
+# Pivots of the candidate bound (`_candidate_bound`).
+BOUND_PIVOTS = tl.constexpr(16)
 
 
 class InvalidLogitsError(ValueError):
@@ -245,6 +259,52 @@ def _kept_mass(scratch_row, vocab, shift, scale, s_max, min_key, BLOCK_V: tl.con
 
 
 @triton.jit
+def _candidate_bound(
+    scratch_row, vocab, shift, scale, s_max, k_on, top_k, top_p, BLOCK_V: tl.constexpr
+):
+    """A scaled value every token top-k (or, without it, top-p) keeps is at or above,
+    or −inf if none of the fixed pivots will do; and Z, the mass of every finite
+    token (the same sums as `_kept_mass` with nothing cut).
+
+    One pass counts the tokens and their mass at or above the pivots −j²/8 (−0.125 …
+    −32). Top-k: the highest pivot with at least k tokens at or above it, an exact
+    bound (the k-th largest value is not below it). Top-p: the highest whose mass is
+    at least p · Z with a margin; the caller checks it exactly on the candidates."""
+    j = (tl.arange(0, BOUND_PIVOTS) + 1).to(tl.float32)
+    pivots = -(j * j) * 0.125
+    counts = tl.zeros([BOUND_PIVOTS], tl.int32)
+    masses = tl.zeros([BOUND_PIVOTS], tl.float32)
+    total = 0.0
+    for start in range(0, vocab, BLOCK_V):
+        s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, shift, scale)
+        weight = tl.where(s > float("-inf"), tl.exp(s - s_max), 0.0)
+        total += tl.sum(weight, axis=0)
+        above = s[:, None] >= pivots[None, :]  # −inf is above no pivot
+        counts += tl.sum(above.to(tl.int32), axis=0)
+        masses += tl.sum(tl.where(above, weight[:, None], 0.0), axis=0)
+    enough = tl.where(k_on, counts >= top_k, masses >= top_p * total * 1.001)
+    return tl.max(tl.where(enough, pivots, float("-inf")), axis=0), total
+
+
+@triton.jit
+def _compact(
+    scratch_row, cand_s_row, cand_i_row, vocab, shift, scale, bound, BLOCK_V: tl.constexpr
+):
+    """Write the scaled value and index of every finite token at or above `bound` to
+    the candidate rows, in index order; their number."""
+    count = 0
+    for start in range(0, vocab, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        s = _scaled(scratch_row, offsets, vocab, shift, scale)
+        keep = (s > float("-inf")) & (s >= bound)
+        position = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(cand_s_row + position, s, mask=keep)
+        tl.store(cand_i_row + position, offsets, mask=keep)
+        count += tl.sum(keep.to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
 def _uniform(seed, step, offsets, stream):
     """U of the vocabulary indices `offsets` (SAMPLE-RNG-2), exact float32."""
     zero = tl.zeros_like(offsets).to(tl.uint32)
@@ -273,6 +333,8 @@ def _uniform_kernel(seed_ptr, step_ptr, out_ptr, vocab, stream, BLOCK_V: tl.cons
 def _sample_kernel(
     logits_ptr,
     scratch_ptr,
+    cand_s_ptr,
+    cand_i_ptr,
     tokens_ptr,
     errors_ptr,
     temperature_ptr,
@@ -306,6 +368,7 @@ def _sample_kernel(
     HAS_PENALTIES: tl.constexpr,
     CHOOSE: tl.constexpr,
     FILTERS_ONLY: tl.constexpr,
+    CANDIDATES: tl.constexpr,
     BLOCK_V: tl.constexpr,
     NUM_PIVOTS: tl.constexpr,
 ):
@@ -434,27 +497,79 @@ def _sample_kernel(
             scale = temperature * 0.0 + 1.0
             s_max = z_max
         max_key = _ordered_key(s_max).to(tl.int64)
-        key_k = top_k * 0 + KEY_NEG_INF
+        k_on = row < 0  # false, as a value the branches below can reassign
         if HAS_TOP_K:
-            if (top_k > 0) & (top_k < num_finite):
-                key_k = _top_k_key(
-                    scratch_row, vocab, shift, scale, max_key, top_k, BLOCK_V, NUM_PIVOTS
-                )
-        key_p = key_k
+            k_on = (top_k > 0) & (top_k < num_finite)
+        p_on = row < 0
         if HAS_TOP_P:
-            if top_p < 1.0:
-                mass = _kept_mass(scratch_row, vocab, shift, scale, s_max, key_k, BLOCK_V)
-                key_p = _top_p_key(
-                    scratch_row,
-                    vocab,
-                    shift,
-                    scale,
-                    s_max,
-                    key_k,
-                    top_p * mass,
-                    BLOCK_V,
-                    NUM_PIVOTS,
+            p_on = top_p < 1.0
+
+        # The searches and the draw read `source`: the scratch row, or (CANDIDATES) the
+        # few tokens a bound shows every filter keeps, compacted in index order, whose
+        # values are scaled already. A search over them gives the row's answer: below
+        # the bound its counts and masses only stay at or above what it needs.
+        source = scratch_row
+        length = vocab
+        source_shift = shift
+        source_scale = scale
+        use_candidates = row < 0
+        total = z_max * 0.0
+        if CANDIDATES:
+            if k_on | p_on:
+                bound, total = _candidate_bound(
+                    scratch_row, vocab, shift, scale, s_max, k_on, top_k, top_p, BLOCK_V
                 )
+                if bound > float("-inf"):
+                    cand_s_row = cand_s_ptr + row * vocab
+                    length = _compact(
+                        scratch_row,
+                        cand_s_row,
+                        cand_i_ptr + row * vocab,
+                        vocab,
+                        shift,
+                        scale,
+                        bound,
+                        BLOCK_V,
+                    )
+                    source = cand_s_row
+                    source_shift = shift * 0.0
+                    source_scale = scale * 0.0 + 1.0
+                    use_candidates = row >= 0
+
+        key_k = top_k * 0 + KEY_NEG_INF
+        if k_on:
+            key_k = _top_k_key(
+                source, length, source_shift, source_scale, max_key, top_k, BLOCK_V, NUM_PIVOTS
+            )
+        key_p = key_k
+        if p_on:
+            if use_candidates & ~k_on:
+                # Z of the whole row (the bound's pass); the top-p threshold lies among
+                # the candidates iff their mass reaches p · Z: else search the row.
+                limit = top_p * total
+                candidates_mass = _kept_mass(
+                    source, length, source_shift, source_scale, s_max, key_k, BLOCK_V
+                )
+                if candidates_mass < limit:
+                    source = scratch_row
+                    length = vocab
+                    source_shift = shift
+                    source_scale = scale
+                    use_candidates = row < 0
+            else:  # what top-k kept: all of them candidates, when there are candidates
+                mass = _kept_mass(source, length, source_shift, source_scale, s_max, key_k, BLOCK_V)
+                limit = top_p * mass
+            key_p = _top_p_key(
+                source,
+                length,
+                source_shift,
+                source_scale,
+                s_max,
+                key_k,
+                limit,
+                BLOCK_V,
+                NUM_PIVOTS,
+            )
         key_m = key_k
         if HAS_MIN_P:
             if min_p > 0.0:  # SAMPLE-MINP-1: s >= max s + ln m
@@ -463,15 +578,21 @@ def _sample_kernel(
 
         best = float("-inf")
         token = 0
-        for start in range(0, vocab, BLOCK_V):
+        cand_i_row = cand_i_ptr + row * vocab
+        for start in range(0, length, BLOCK_V):
             offsets = start + tl.arange(0, BLOCK_V)
-            s = _scaled(scratch_row, offsets, vocab, shift, scale)
+            s = _scaled(source, offsets, length, source_shift, source_scale)
             kept = (s > float("-inf")) & (_ordered_key(s).to(tl.int64) >= threshold)
             if CHOOSE:  # SAMPLE-CHOICE-1: Gumbel-max, ties to the smallest index
-                gumbel = -tl.log(-tl.log(_uniform(seed, step, offsets, 0)))
+                # (The interpreter's masks must be vectors: no scalar in the `&`.)
+                from_candidates = (offsets * 0 + use_candidates.to(tl.int32)) != 0
+                in_candidates = (offsets < length) & from_candidates
+                index = tl.load(cand_i_row + offsets, mask=in_candidates, other=0)
+                index = tl.where(from_candidates, index, offsets)
+                gumbel = -tl.log(-tl.log(_uniform(seed, step, index, 0)))
                 score = tl.where(kept, s + gumbel, float("-inf"))
                 chunk_best = tl.max(score, axis=0)
-                chunk_token = tl.min(tl.where(score == chunk_best, offsets, 2147483647), axis=0)
+                chunk_token = tl.min(tl.where(score == chunk_best, index, 2147483647), axis=0)
                 token = tl.where(chunk_best > best, chunk_token, token)
                 best = tl.maximum(best, chunk_best)
             else:
@@ -619,9 +740,22 @@ def _launch(
     scratch = torch.empty(batch, vocab, dtype=torch.float32, device=device)
     if batch == 0:
         return tokens, scratch, words
+    # Candidates (a bound, then the filters' searches and the draw on the few tokens
+    # above it) when a row may filter by top-k or top-p and draws a token.
+    candidates = (
+        choose
+        and not filters_only
+        and any(args.get(name) is not None for name in ("top_k", "top_p"))
+    )
+    cand_s = (
+        torch.empty(batch, vocab, dtype=torch.float32, device=device) if candidates else scratch
+    )
+    cand_i = torch.empty(batch, vocab, dtype=torch.int32, device=device) if candidates else words
     _sample_kernel[(batch,)](
         logits,
         scratch,
+        cand_s,
+        cand_i,
         tokens,
         words,
         per_row("temperature"),
@@ -655,6 +789,7 @@ def _launch(
         HAS_PENALTIES=args.get("prompt_mask") is not None,
         CHOOSE=choose,
         FILTERS_ONLY=filters_only,
+        CANDIDATES=candidates,
         # One chunk per row in the interpreter (its cost is per step); on a GPU
         # chunks small enough that the pivot comparisons stay in registers.
         BLOCK_V=min(triton.next_power_of_2(vocab), 4096 if INTERPRET else 1024),

@@ -15,6 +15,7 @@ import torch
 from decodespec import kernels
 from decodespec.kernels import sampling
 from decodespec.kernels.checks import INTERPRET
+from decodespec.spec.sampling import sample as spec_sample
 from tests.kernels.contracts import memory_traffic, record
 
 META = torch.device("meta")
@@ -149,16 +150,24 @@ def test_the_counter_sees_an_added_launch_and_op(monkeypatch):
 
 
 # Reads of a row, in passes over its vocabulary, that `sampling.py`'s docstring gives
-# for each configuration: today's value-domain searches (8 passes a threshold at 16
-# pivots). The issue's target is <= 2 for all; these catch a pass added meanwhile.
+# for each configuration: with top-k, a pass for the bound and one to compact the
+# candidates, then the searches on those few; top-p alone over randn logits keeps
+# half the row as candidates, a case real logits rarely are (the target is <= 2).
 READ_PASSES = {
     "greedy": ({"temperature": 0.0}, 1),
     "temperature": ({"temperature": 0.7}, 2),
     "min-p": ({"temperature": 0.7, "min_p": 0.05}, 2),
-    "top-k": ({"temperature": 0.7, "top_k": 50}, 10),
+    "top-k": ({"temperature": 0.7, "top_k": 50}, 4),
     "top-p": ({"temperature": 0.7, "top_p": 0.9}, 11),
-    "top-k + top-p": ({"temperature": 0.7, "top_k": 50, "top_p": 0.9}, 19),
+    "top-k + top-p": ({"temperature": 0.7, "top_k": 50, "top_p": 0.9}, 4),
 }
+
+
+def sampled_traffic(logits, values):
+    batch = logits.shape[0]
+    args = {name: torch.tensor([value] * batch) for name, value in values.items()}
+    seed = torch.arange(batch) + 1
+    return memory_traffic(lambda: kernels.sample(logits, **args, seed=seed))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="counts the Triton interpreter's loads")
@@ -167,10 +176,27 @@ def test_reads_per_row_stay_within_the_documented_passes(configuration):
     values, passes = configuration
     batch, vocab = 2, 5000  # more than one chunk of the vocabulary
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
-    args = {name: torch.tensor([value] * batch) for name, value in values.items()}
-    seed = torch.tensor([1, 2])
-    traffic = memory_traffic(lambda: kernels.sample(logits, **args, seed=seed))
+    traffic = sampled_traffic(logits, values)
     per_row_parameters = 16
     assert traffic.loaded <= batch * (passes * vocab + per_row_parameters)
     assert traffic.loaded > batch * (passes - 1) * vocab  # the budget is not slack
-    assert traffic.stored <= batch * (vocab + 2)  # the scratch row, the token, the word
+
+
+@pytest.mark.skipif(not INTERPRET, reason="counts the Triton interpreter's loads")
+def test_without_a_bound_the_row_is_searched_whole_and_the_token_is_the_same():
+    """Logits 10 apart: at temperature 0.7 the 5th largest lies 57 below the maximum,
+    past every pivot of the bound (−32), so the searches walk the whole row (8 passes
+    each), and draw the token the candidates would have given."""
+    vocab = 3000
+    spread = (torch.arange(vocab, dtype=torch.float32) * 10.0).flip(0)[None, :]
+    values = {"temperature": 0.7, "top_k": 5}
+    traffic = sampled_traffic(spread, values)
+    assert traffic.loaded > 9 * vocab
+    close = (torch.arange(vocab, dtype=torch.float32) * 0.01).flip(0)[None, :]
+    assert sampled_traffic(close, values).loaded < 4 * vocab
+    for logits in (spread, close):
+        args = {name: torch.tensor([value]) for name, value in values.items()}
+        for seed in range(8):
+            got = kernels.sample(logits, **args, seed=torch.tensor([seed]))
+            want = spec_sample(logits.double(), **args, seed=torch.tensor([seed]))
+            assert got.tolist() == want.tolist(), (seed, got, want)
