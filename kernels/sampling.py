@@ -59,7 +59,7 @@ every reduction has a fixed order (the same inputs give the same tokens).
 Logits must be float16, bfloat16 or float32 (float64 is the spec's
 reference dtype, not a kernel one).
 
-Why one file of some 900 lines: `sample`, `process_logits`, `greedy` and the
+Why one file of some 1,000 lines: `sample`, `process_logits`, `greedy` and the
 three masks are one kernel run in different modes (the fused pass above
 stops at the step each needs), so its building blocks, its launch and the
 checks of its arguments belong together; a downstream engine vendors it as
