@@ -10,30 +10,34 @@ time:
    min_tokens, repetition / frequency / presence), in the spec's order and
    in float32 (no fused multiply-add: the launch disables
    FP fusion so each step rounds as PyTorch does); validity; the maximum and
-   its first index. The processed row goes to a float32 scratch row.
+   its first index; the normaliser `Z = Σ exp((z − max z) / T)`, online (each
+   chunk's sum added to the running one rescaled to the new maximum). The
+   processed row goes to a float32 scratch row. A row that draws a token and
+   filters (top-k, top-p or min-p) also keeps, in index order, the *candidates*:
+   the tokens at or above a running bound under which no token the filters
+   keep can lie (counts and masses at 16 fixed values of s, −j²/8 down to −32,
+   kept as lower bounds while the maximum grows; `_streamed_bound`).
 2. greedy rows stop here. Sampled rows are scaled, `s = (z − max z) / T`
    (correctly rounded division), so the maximum is exactly 0 and every other
    value is negative or −inf.
 3. thresholds, found by searching the *value* domain, never by sorting. A
    float32 maps to an int32 key that orders like the floats; the search keeps
-   an interval of keys and, per pass over the row, evaluates `NUM_PIVOTS`
-   pivots at once, so 32 bits take about 8 passes:
+   an interval of keys and, per pass, evaluates `NUM_PIVOTS` pivots at once,
+   so 32 bits take about 8 passes — over the candidates, a few dozen tokens:
    - top-k: the largest key v with `#{s ≥ v} ≥ k` (the k-th largest value);
      a token is kept iff its key is ≥ v, ties at the boundary included;
    - top-p: the smallest key v with `Σ_{kept s > v} exp(s) < p · Z`, Z the
-     mass top-k kept; a token is kept iff its key is ≥ v, so the crossing
-     token and its ties stay;
+     mass top-k kept (top-p alone: pass 1's normaliser); a token is kept iff
+     its key is ≥ v, so the crossing token and its ties stay;
    - min-p: `ln m` directly (`s_max = 0`).
-   When a row draws a token with top-k or top-p on, the searches run on
-   *candidates* instead of the row: one pass counts the tokens and their mass
-   at or above 16 fixed values of s (−j²/8, down to −32) and takes the highest
-   that top-k (at least k tokens at or above it) or top-p (at least p · Z of
-   mass, with a margin) cannot cut below; a second pass compacts the tokens at
-   or above it, value and index, in index order. Every token a filter keeps
-   is a candidate, and a search over them gives the row's answer (below the
-   bound its counts and masses only stay at or above what it needs). Where no
-   value qualifies, or the candidates' exact mass falls short of p · Z, the
-   searches walk the row as above: the same thresholds either way.
+   Every token pass 1 left lies at or below its final bound, so a threshold
+   found over the candidates above the bound is the row's, and one at or below
+   it is the row's or lower: the candidates give the row's answer when the
+   largest threshold clears the bound (and top-k's does, with top-p, whose mass
+   is what top-k kept). Where not (top-p alone's bound is a guess that later
+   chunks can break), a pass over the scratch row bounds it exactly and a
+   second compacts again; where even that bound fails, the searches walk the
+   row: the same thresholds on every path.
 4. one more pass (over the candidates, when there are) draws `argmax(s + G)`
    over the kept tokens, with `G = −ln(−ln U)` and U from Philox4x32-10 over
    the counter `(index, step_lo, step_hi, 0)` and key `seed` (SAMPLE-RNG-2):
@@ -48,13 +52,15 @@ and a caller that passes `errors=` reads the words when it chooses (an engine:
 once per step); otherwise the wrapper reads them once and raises
 `InvalidLogitsError` or the ValueError naming the parameter.
 
-Passes over a row (tests/kernels/test_contracts_sampling.py counts them): greedy
-1 read; temperature alone or with min-p 2; at temperature 0.7, top-k 50 with
-or without top-p 0.9 3.1–3.6 (10 and 19 walking the row), top-p alone 3.0–3.3
-on logits of standard deviation 2 to 8 and 9.3 on standard deviation 1, whose
-candidates are half the row. One read is the target. A row's
-result depends only on that row and its parameters (batch invariance), and
-every reduction has a fixed order (the same inputs give the same tokens).
+Reads of a row, in passes over its vocabulary (tests/kernels/test_contracts_sampling.py
+counts them), at temperature 0.7 on logits of standard deviation 3: greedy 1;
+temperature alone 2 (the draw needs the whole row); min-p 0.05 1.0, top-k 50
+1.1–1.3, top-p 0.9 1.2–1.3, top-k + top-p with or without min-p 1.3–1.5 (walking
+the row: 10, 19 and 2). The worst case is a flat row, whose candidates are most
+of it: on standard deviation 1, top-p alone reads 9.3 (its searches, 8 passes
+each, over three quarters of the row) and top-k 1.5. A row's result depends
+only on that row and its parameters (batch invariance), and every reduction has
+a fixed order (the same inputs give the same tokens).
 
 Logits must be float16, bfloat16 or float32 (float64 is the spec's
 reference dtype, not a kernel one).
@@ -259,49 +265,142 @@ def _kept_mass(scratch_row, vocab, shift, scale, s_max, min_key, BLOCK_V: tl.con
 
 
 @triton.jit
+def _thresholds(
+    source,
+    length,
+    shift,
+    scale,
+    s_max,
+    k_on,
+    top_k,
+    p_on,
+    top_p,
+    row_mass,
+    BLOCK_V: tl.constexpr,
+    NUM_PIVOTS: tl.constexpr,
+):
+    """(top-k's key, top-p's key) over the first `length` logits of `source`
+    (SAMPLE-TOPK-1, SAMPLE-TOPP-1; SAMPLE-ORDER-1: top-p's mass is what top-k kept).
+    Top-p alone takes Z = `row_mass`, pass 1's normaliser of the whole row."""
+    key_k = top_k * 0 + KEY_NEG_INF
+    if k_on:
+        max_key = _ordered_key(s_max).to(tl.int64)
+        key_k = _top_k_key(source, length, shift, scale, max_key, top_k, BLOCK_V, NUM_PIVOTS)
+    key_p = key_k
+    if p_on:
+        limit = top_p * row_mass
+        if k_on:
+            limit = top_p * _kept_mass(source, length, shift, scale, s_max, key_k, BLOCK_V)
+        key_p = _top_p_key(source, length, shift, scale, s_max, key_k, limit, BLOCK_V, NUM_PIVOTS)
+    return key_k, key_p
+
+
+@triton.jit
+def _bound_pivots():
+    """The fixed scaled values −j²/8 (−0.125 … −32) at which candidates are bounded."""
+    j = (tl.arange(0, BOUND_PIVOTS) + 1).to(tl.float32)
+    return -(j * j) * 0.125
+
+
+@triton.jit
 def _candidate_bound(
-    scratch_row, vocab, shift, scale, s_max, k_on, top_k, top_p, BLOCK_V: tl.constexpr
+    scratch_row, vocab, shift, scale, s_max, k_on, top_k, top_p, row_mass, BLOCK_V: tl.constexpr
 ):
     """A scaled value every token top-k (or, without it, top-p) keeps is at or above,
-    or −inf if none of the fixed pivots will do; and Z, the mass of every finite
-    token (the same sums as `_kept_mass` with nothing cut).
+    or −inf if none of the fixed pivots will do.
 
-    One pass counts the tokens and their mass at or above the pivots −j²/8 (−0.125 …
-    −32). Top-k: the highest pivot with at least k tokens at or above it, an exact
-    bound (the k-th largest value is not below it). Top-p: the highest whose mass is
-    at least p · Z with a margin; the caller checks it exactly on the candidates."""
-    j = (tl.arange(0, BOUND_PIVOTS) + 1).to(tl.float32)
-    pivots = -(j * j) * 0.125
+    One pass counts the tokens and their mass at or above the bound pivots. Top-k:
+    the highest pivot with at least k tokens at or above it, an exact bound (the k-th
+    largest value is not below it). Top-p: the highest whose mass is at least
+    p · `row_mass` with a margin; the caller checks it exactly on the candidates."""
+    pivots = _bound_pivots()
     counts = tl.zeros([BOUND_PIVOTS], tl.int32)
     masses = tl.zeros([BOUND_PIVOTS], tl.float32)
-    total = 0.0
     for start in range(0, vocab, BLOCK_V):
         s = _scaled(scratch_row, start + tl.arange(0, BLOCK_V), vocab, shift, scale)
         weight = tl.where(s > float("-inf"), tl.exp(s - s_max), 0.0)
-        total += tl.sum(weight, axis=0)
         above = s[:, None] >= pivots[None, :]  # −inf is above no pivot
         counts += tl.sum(above.to(tl.int32), axis=0)
         masses += tl.sum(tl.where(above, weight[:, None], 0.0), axis=0)
-    enough = tl.where(k_on, counts >= top_k, masses >= top_p * total * 1.001)
-    return tl.max(tl.where(enough, pivots, float("-inf")), axis=0), total
+    enough = tl.where(k_on, counts >= top_k, masses >= top_p * row_mass * 1.001)
+    return tl.max(tl.where(enough, pivots, float("-inf")), axis=0)
 
 
 @triton.jit
 def _compact(
-    scratch_row, cand_s_row, cand_i_row, vocab, shift, scale, bound, BLOCK_V: tl.constexpr
+    scratch_row, cand_z_row, cand_i_row, vocab, shift, scale, bound, BLOCK_V: tl.constexpr
 ):
-    """Write the scaled value and index of every finite token at or above `bound` to
-    the candidate rows, in index order; their number."""
+    """Write the processed logit and index of every finite token whose scaled value
+    is at or above `bound` to the candidate rows, in index order; their number."""
     count = 0
     for start in range(0, vocab, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
-        s = _scaled(scratch_row, offsets, vocab, shift, scale)
+        z = tl.load(scratch_row + offsets, mask=offsets < vocab, other=float("-inf"))
+        s = tl.div_rn(z - shift, scale)
         keep = (s > float("-inf")) & (s >= bound)
         position = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        tl.store(cand_s_row + position, s, mask=keep)
+        tl.store(cand_z_row + position, z, mask=keep)
         tl.store(cand_i_row + position, offsets, mask=keep)
         count += tl.sum(keep.to(tl.int32), axis=0)
     return count
+
+
+@triton.jit
+def _streamed_bound(
+    z,
+    z_max_before,
+    z_max,
+    scale,
+    counts,
+    masses,
+    row_mass,
+    bound,
+    k_req,
+    top_k,
+    p_req,
+    top_p,
+    m_req,
+    log_min_p,
+):
+    """Pass 1's running statistics after one more chunk `z`, and its candidate bound.
+
+    `counts` and `masses` are the tokens seen so far, and their mass, at or above the
+    bound pivots relative to the running maximum `z_max` (in units of `scale`);
+    `row_mass` is Σ exp((z − z_max) / scale) over them, the online normaliser (Z of
+    top-p alone, SAMPLE-TOPP-1). When the maximum grows, a token counted at or above
+    an old pivot is counted at the highest new pivot it still surely reaches, so
+    counts and masses stay lower bounds of the true ones.
+
+    `bound` is a logit z every token the filters keep is at or above, only ever
+    raised: top-k's from the highest pivot with at least k tokens (exact, as the
+    k-th largest value seen can only rise), min-p's just under `max z + T ln m`;
+    top-p alone's from the highest pivot holding p + (1 − p) / 2 of the mass seen,
+    a guess that later chunks could break, so the caller checks the bound exactly
+    at the end. Rounding here only costs candidates, never exactness."""
+    pivots = _bound_pivots()
+    shift = (z_max - z_max_before) / scale  # how far the pivots moved up: ≥ 0, or NaN/inf
+    if z_max > z_max_before:
+        reach = (pivots[None, :] - shift) >= pivots[:, None]  # [new i, old j]
+        counts = tl.max(tl.where(reach, counts[None, :], 0), axis=1)
+        masses = tl.max(tl.where(reach, masses[None, :], 0.0), axis=1)
+        decay = tl.where(shift < float("inf"), tl.exp(-shift), 0.0)
+        masses = tl.where(masses > 0.0, masses * decay, 0.0)
+        row_mass = tl.where(row_mass > 0.0, row_mass * decay, 0.0)
+    s = (z - z_max) / scale
+    weight = tl.where(z > float("-inf"), tl.exp(s), 0.0)
+    above = s[:, None] >= pivots[None, :]
+    counts += tl.sum(above.to(tl.int32), axis=0)
+    masses += tl.sum(tl.where(above, weight[:, None], 0.0), axis=0)
+    row_mass += tl.sum(weight, axis=0)
+    enough = tl.where(k_req, counts >= top_k, masses >= (top_p + (1.0 - top_p) * 0.5) * row_mass)
+    pivot = tl.max(tl.where(enough & (k_req | p_req), pivots, float("-inf")), axis=0)
+    if pivot > float("-inf"):
+        bound = tl.maximum(bound, z_max + scale * pivot)
+    # A little below min-p's threshold, which the check wants strictly above; not with
+    # top-k and top-p, where top-p's mass needs all that top-k keeps.
+    if m_req & ~(k_req & p_req):
+        bound = tl.maximum(bound, z_max + scale * (log_min_p - 0.015625))
+    return counts, masses, row_mass, bound
 
 
 @triton.jit
@@ -333,7 +432,7 @@ def _uniform_kernel(seed_ptr, step_ptr, out_ptr, vocab, stream, BLOCK_V: tl.cons
 def _sample_kernel(
     logits_ptr,
     scratch_ptr,
-    cand_s_ptr,
+    cand_z_ptr,
     cand_i_ptr,
     tokens_ptr,
     errors_ptr,
@@ -433,12 +532,34 @@ def _sample_kernel(
     if HAS_SEED:
         seed = tl.load(seed_ptr + row).to(tl.int64)
 
-    # Pass 1: processed logits to the scratch row, validity, first argmax.
+    # Pass 1: processed logits to the scratch row, validity, first argmax; for a
+    # drawing row that filters (CANDIDATES), the tokens at or above a running bound
+    # on what the filters keep, compacted in index order (`_streamed_bound`).
     bad = 0
     num_finite = 0
     out_of_range = 0
     z_max = float("-inf")
     argmax = 0
+    scale = row.to(tl.float32) * 0.0 + 1.0  # (z − max z) / scale: T, or 1 for the masks
+    if not FILTERS_ONLY:
+        if temperature > 0.0:
+            scale = scale * 0.0 + temperature
+    k_req = top_k > 0  # the filters the parameters ask for (validity aside)
+    p_req = row < 0
+    if HAS_TOP_P:
+        p_req = top_p < 1.0
+    m_req = row < 0
+    if HAS_MIN_P:
+        m_req = min_p > 0.0
+    collect = (k_req | p_req | m_req) & (temperature > 0.0)
+    log_min_p = tl.log(tl.where(m_req, min_p, 1.0))
+    bound_counts = tl.zeros([BOUND_PIVOTS], tl.int32)
+    bound_masses = tl.zeros([BOUND_PIVOTS], tl.float32)
+    row_mass = 0.0
+    bound = float("-inf")
+    num_candidates = 0
+    cand_z_row = cand_z_ptr + row * vocab
+    cand_i_row = cand_i_ptr + row * vocab
     for start in range(0, vocab, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
         z, chunk_out_of_range = _processed(
@@ -467,7 +588,33 @@ def _sample_kernel(
         chunk_max = tl.max(z, axis=0)
         chunk_argmax = tl.min(tl.where(z == chunk_max, offsets, 2147483647), axis=0)
         argmax = tl.where(chunk_max > z_max, chunk_argmax, argmax)  # ties: the earlier chunk
+        z_max_before = z_max
         z_max = tl.maximum(z_max, chunk_max)
+        if HAS_TOP_P or CANDIDATES:
+            bound_counts, bound_masses, row_mass, bound = _streamed_bound(
+                z,
+                z_max_before,
+                z_max,
+                scale,
+                bound_counts,
+                bound_masses,
+                row_mass,
+                bound,
+                k_req,
+                top_k,
+                p_req,
+                top_p,
+                m_req,
+                log_min_p,
+            )
+        if CANDIDATES:
+            # (The interpreter's masks must be vectors: no scalar in the `&`.)
+            collecting = (offsets * 0 + collect.to(tl.int32)) != 0
+            keep = (z > float("-inf")) & (z >= bound) & collecting
+            position = num_candidates + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            tl.store(cand_z_row + position, z, mask=keep)
+            tl.store(cand_i_row + position, offsets, mask=keep)
+            num_candidates += tl.sum(keep.to(tl.int32), axis=0)
 
     error = tl.where(in_range & (out_of_range == 0), 0, ERROR_OUT_OF_RANGE)
     if CHOOSE and not HAS_SEED:
@@ -489,14 +636,12 @@ def _sample_kernel(
     else:
         # Thresholds (SAMPLE-ORDER-1): each a key; a token is kept iff its key is >= all.
         # Sampling scales s = (z − max z) / T, so max s = 0; the masks filter z as is.
+        # (`scale` is T here, or 1 for the masks: pass 1 set it.)
         shift = z_max
-        scale = temperature
         s_max = z_max * 0.0
         if FILTERS_ONLY:
             shift = z_max * 0.0
-            scale = temperature * 0.0 + 1.0
             s_max = z_max
-        max_key = _ordered_key(s_max).to(tl.int64)
         k_on = row < 0  # false, as a value the branches below can reassign
         if HAS_TOP_K:
             k_on = (top_k > 0) & (top_k < num_finite)
@@ -504,84 +649,75 @@ def _sample_kernel(
         if HAS_TOP_P:
             p_on = top_p < 1.0
 
-        # The searches and the draw read `source`: the scratch row, or (CANDIDATES) the
-        # few tokens a bound shows every filter keeps, compacted in index order, whose
-        # values are scaled already. A search over them gives the row's answer: below
-        # the bound its counts and masses only stay at or above what it needs.
-        source = scratch_row
-        length = vocab
-        source_shift = shift
-        source_scale = scale
-        use_candidates = row < 0
-        total = z_max * 0.0
-        if CANDIDATES:
-            if k_on | p_on:
-                bound, total = _candidate_bound(
-                    scratch_row, vocab, shift, scale, s_max, k_on, top_k, top_p, BLOCK_V
-                )
-                if bound > float("-inf"):
-                    cand_s_row = cand_s_ptr + row * vocab
-                    length = _compact(
-                        scratch_row,
-                        cand_s_row,
-                        cand_i_ptr + row * vocab,
-                        vocab,
-                        shift,
-                        scale,
-                        bound,
-                        BLOCK_V,
-                    )
-                    source = cand_s_row
-                    source_shift = shift * 0.0
-                    source_scale = scale * 0.0 + 1.0
-                    use_candidates = row >= 0
-
-        key_k = top_k * 0 + KEY_NEG_INF
-        if k_on:
-            key_k = _top_k_key(
-                source, length, source_shift, source_scale, max_key, top_k, BLOCK_V, NUM_PIVOTS
-            )
-        key_p = key_k
-        if p_on:
-            if use_candidates & ~k_on:
-                # Z of the whole row (the bound's pass); the top-p threshold lies among
-                # the candidates iff their mass reaches p · Z: else search the row.
-                limit = top_p * total
-                candidates_mass = _kept_mass(
-                    source, length, source_shift, source_scale, s_max, key_k, BLOCK_V
-                )
-                if candidates_mass < limit:
-                    source = scratch_row
-                    length = vocab
-                    source_shift = shift
-                    source_scale = scale
-                    use_candidates = row < 0
-            else:  # what top-k kept: all of them candidates, when there are candidates
-                mass = _kept_mass(source, length, source_shift, source_scale, s_max, key_k, BLOCK_V)
-                limit = top_p * mass
-            key_p = _top_p_key(
-                source,
-                length,
-                source_shift,
-                source_scale,
-                s_max,
-                key_k,
-                limit,
-                BLOCK_V,
-                NUM_PIVOTS,
-            )
-        key_m = key_k
+        key_m = top_k * 0 + KEY_NEG_INF
         if HAS_MIN_P:
             if min_p > 0.0:  # SAMPLE-MINP-1: s >= max s + ln m
                 key_m = _ordered_key(s_max + tl.log(min_p)).to(tl.int64)
+
+        # The searches and the draw read `source`: the scratch row, or (CANDIDATES) the
+        # tokens pass 1 kept at or above its bound, in index order. Every token it left
+        # lies at or below the bound, so where each threshold found among them lies
+        # above the bound, the row's searches would find the same: the candidates hold
+        # every token the filters keep. Where one does not (a guess of top-p alone that
+        # later chunks broke), a pass bounds the row exactly and compacts again; where
+        # even that fails, the searches walk the row.
+        source = scratch_row
+        length = vocab
+        use_candidates = row < 0
+        key_k = top_k * 0 + KEY_NEG_INF  # no filter: no threshold
+        key_p = key_k
+        if CANDIDATES:
+            if collect:
+                key_k, key_p = _thresholds(
+                    cand_z_row, num_candidates, shift, scale, s_max, k_on, top_k, p_on,
+                    top_p, row_mass, BLOCK_V, NUM_PIVOTS,
+                )  # fmt: skip
+                key_bound = _ordered_key(tl.div_rn(bound - shift, scale)).to(tl.int64)
+                threshold = tl.maximum(tl.maximum(key_k, key_p), key_m)
+                # A threshold at or below the bound over the candidates is at or below
+                # it over the row too, so only the largest needs to clear it; and top-k
+                # before top-p, whose mass is what top-k kept.
+                use_candidates = (threshold > key_bound) & (~(k_on & p_on) | (key_k > key_bound))
+                if use_candidates:
+                    source = cand_z_row
+                    length = num_candidates
+            if ~use_candidates & (k_on | p_on):
+                source = scratch_row
+                length = vocab
+                exact_bound = _candidate_bound(
+                    scratch_row, vocab, shift, scale, s_max, k_on, top_k, top_p, row_mass,
+                    BLOCK_V,
+                )  # fmt: skip
+                if exact_bound > float("-inf"):
+                    length = _compact(
+                        scratch_row, cand_z_row, cand_i_row, vocab, shift, scale,
+                        exact_bound, BLOCK_V,
+                    )  # fmt: skip
+                    source = cand_z_row
+                    use_candidates = row >= 0
+                    if p_on & ~k_on:  # top-p's threshold is among them iff they hold p · Z
+                        every_key = key_m * 0 + KEY_NEG_INF
+                        mass = _kept_mass(source, length, shift, scale, s_max, every_key, BLOCK_V)
+                        if mass < top_p * row_mass:
+                            source = scratch_row
+                            length = vocab
+                            use_candidates = row < 0
+                key_k, key_p = _thresholds(
+                    source, length, shift, scale, s_max, k_on, top_k, p_on, top_p, row_mass,
+                    BLOCK_V, NUM_PIVOTS,
+                )  # fmt: skip
+        else:
+            key_k, key_p = _thresholds(
+                source, length, shift, scale, s_max, k_on, top_k, p_on, top_p, row_mass,
+                BLOCK_V, NUM_PIVOTS,
+            )  # fmt: skip
         threshold = tl.maximum(tl.maximum(key_k, key_p), key_m)
 
         best = float("-inf")
         token = 0
-        cand_i_row = cand_i_ptr + row * vocab
         for start in range(0, length, BLOCK_V):
             offsets = start + tl.arange(0, BLOCK_V)
-            s = _scaled(source, offsets, length, source_shift, source_scale)
+            s = _scaled(source, offsets, length, shift, scale)
             kept = (s > float("-inf")) & (_ordered_key(s).to(tl.int64) >= threshold)
             if CHOOSE:  # SAMPLE-CHOICE-1: Gumbel-max, ties to the smallest index
                 # (The interpreter's masks must be vectors: no scalar in the `&`.)
@@ -741,20 +877,20 @@ def _launch(
     if batch == 0:
         return tokens, scratch, words
     # Candidates (a bound, then the filters' searches and the draw on the few tokens
-    # above it) when a row may filter by top-k or top-p and draws a token.
+    # above it) when a row may filter and draws a token.
     candidates = (
         choose
         and not filters_only
-        and any(args.get(name) is not None for name in ("top_k", "top_p"))
+        and any(args.get(name) is not None for name in ("top_k", "top_p", "min_p"))
     )
-    cand_s = (
+    cand_z = (
         torch.empty(batch, vocab, dtype=torch.float32, device=device) if candidates else scratch
     )
     cand_i = torch.empty(batch, vocab, dtype=torch.int32, device=device) if candidates else words
     _sample_kernel[(batch,)](
         logits,
         scratch,
-        cand_s,
+        cand_z,
         cand_i,
         tokens,
         words,

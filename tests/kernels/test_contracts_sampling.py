@@ -150,16 +150,18 @@ def test_the_counter_sees_an_added_launch_and_op(monkeypatch):
 
 
 # Reads of a row, in passes over its vocabulary, that `sampling.py`'s docstring gives
-# for each configuration: with top-k, a pass for the bound and one to compact the
-# candidates, then the searches on those few; top-p alone over randn logits keeps
-# half the row as candidates, a case real logits rarely are (the target is <= 2).
+# for each configuration, on logits of standard deviation 3 (a trained model's are
+# 2 to 4): pass 1 reads the row and keeps the candidates, the searches and the draw
+# read those few; temperature alone draws from the whole row. The issue's target is
+# at most 2 for every configuration.
 READ_PASSES = {
-    "greedy": ({"temperature": 0.0}, 1),
-    "temperature": ({"temperature": 0.7}, 2),
-    "min-p": ({"temperature": 0.7, "min_p": 0.05}, 2),
-    "top-k": ({"temperature": 0.7, "top_k": 50}, 4),
-    "top-p": ({"temperature": 0.7, "top_p": 0.9}, 11),
-    "top-k + top-p": ({"temperature": 0.7, "top_k": 50, "top_p": 0.9}, 4),
+    "greedy": ({"temperature": 0.0}, 1.0),
+    "temperature": ({"temperature": 0.7}, 2.0),
+    "min-p": ({"temperature": 0.7, "min_p": 0.05}, 1.1),
+    "top-k": ({"temperature": 0.7, "top_k": 50}, 1.3),
+    "top-p": ({"temperature": 0.7, "top_p": 0.9}, 1.3),
+    "top-k + top-p": ({"temperature": 0.7, "top_k": 50, "top_p": 0.9}, 1.4),
+    "every filter": ({"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.05}, 1.4),
 }
 
 
@@ -170,33 +172,63 @@ def sampled_traffic(logits, values):
     return memory_traffic(lambda: kernels.sample(logits, **args, seed=seed))
 
 
+def assert_same_tokens_as_the_spec(logits, values, seeds=range(8)):
+    args = {name: torch.tensor([value] * logits.shape[0]) for name, value in values.items()}
+    for seed in seeds:
+        seed = torch.full((logits.shape[0],), seed)
+        got = kernels.sample(logits, **args, seed=seed)
+        want = spec_sample(logits.double(), **args, seed=seed)
+        assert got.tolist() == want.tolist(), (seed, got, want)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="counts the Triton interpreter's loads")
 @pytest.mark.parametrize("configuration", READ_PASSES.values(), ids=READ_PASSES.keys())
 def test_reads_per_row_stay_within_the_documented_passes(configuration):
     values, passes = configuration
     batch, vocab = 2, 5000  # more than one chunk of the vocabulary
-    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+    logits = 3 * torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
     traffic = sampled_traffic(logits, values)
     per_row_parameters = 16
+    assert passes <= 2
     assert traffic.loaded <= batch * (passes * vocab + per_row_parameters)
-    assert traffic.loaded > batch * (passes - 1) * vocab  # the budget is not slack
+    assert traffic.loaded > batch * (passes - 0.3) * vocab  # the budget is not slack
+
+
+@pytest.mark.skipif(not INTERPRET, reason="counts the Triton interpreter's loads")
+def test_a_flat_row_is_the_worst_case_the_docstring_gives():
+    """Logits of standard deviation 1 at temperature 0.7: top-p 0.9 keeps most of the
+    row, so its candidates are most of it and its searches read them 8 times over."""
+    vocab = 5000
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    assert sampled_traffic(logits, {"temperature": 0.7, "top_k": 50}).loaded <= 2 * 1.6 * vocab
+    assert sampled_traffic(logits, {"temperature": 0.7, "top_p": 0.9}).loaded <= 2 * 9.5 * vocab
+
+
+@pytest.mark.skipif(not INTERPRET, reason="counts the Triton interpreter's loads")
+def test_a_bound_later_chunks_break_falls_back_to_the_exact_one():
+    """Top-p alone's running bound is a guess: the first chunk (4,096 tokens in the
+    interpreter) holds one token 3 above the second chunk's 4,096, so its bound sits
+    above them, while their mass, 4,096 e⁻³, is most of the row's. The check at the
+    end sees it, a pass bounds the row exactly and compacts again: more reads, the
+    spec's tokens."""
+    first, second = torch.full((4096,), -30.0), torch.full((4096,), 2.0)
+    first[0] = 5.0
+    logits = torch.cat([first, second])[None, :]
+    values = {"temperature": 1.0, "top_p": 0.9}
+    assert sampled_traffic(logits, values).loaded > 2.5 * logits.shape[1]
+    assert_same_tokens_as_the_spec(logits, values)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="counts the Triton interpreter's loads")
 def test_without_a_bound_the_row_is_searched_whole_and_the_token_is_the_same():
     """Logits 10 apart: at temperature 0.7 the 5th largest lies 57 below the maximum,
-    past every pivot of the bound (−32), so the searches walk the whole row (8 passes
-    each), and draw the token the candidates would have given."""
+    past every pivot of the bound (−32), so every token is a candidate and the search
+    walks them all (8 passes), and draws the token a close row's few candidates give."""
     vocab = 3000
     spread = (torch.arange(vocab, dtype=torch.float32) * 10.0).flip(0)[None, :]
     values = {"temperature": 0.7, "top_k": 5}
-    traffic = sampled_traffic(spread, values)
-    assert traffic.loaded > 9 * vocab
+    assert sampled_traffic(spread, values).loaded > 9 * vocab
     close = (torch.arange(vocab, dtype=torch.float32) * 0.01).flip(0)[None, :]
-    assert sampled_traffic(close, values).loaded < 4 * vocab
+    assert sampled_traffic(close, values).loaded < 2 * vocab
     for logits in (spread, close):
-        args = {name: torch.tensor([value]) for name, value in values.items()}
-        for seed in range(8):
-            got = kernels.sample(logits, **args, seed=torch.tensor([seed]))
-            want = spec_sample(logits.double(), **args, seed=torch.tensor([seed]))
-            assert got.tolist() == want.tolist(), (seed, got, want)
+        assert_same_tokens_as_the_spec(logits, values)
