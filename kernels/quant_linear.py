@@ -15,10 +15,11 @@ with the activations. Two kernels share that tile:
   (row of `x`, block of outputs, slice of `K`); products and sums on the FMA
   units. A memory-bound GEMV needs many programs to keep every SM loading, so
   `K` is split (split-K) when the output blocks alone are too few (under
-  `ENOUGH_PROGRAMS`) and K is long enough; the partial sums land in a float32
-  buffer `[splits, M, N]` that the wrapper adds up (in a fixed order:
-  deterministic). Small matrices, and grids already wide enough, are not split:
-  one launch writes the result in x's dtype, nothing else runs.
+  `ENOUGH_PROGRAMS`) and K is long enough; each slice writes its partial sums to
+  a float32 plane of `[splits, M, N]`, and the last slice of an output tile to
+  finish (an atomic counter per tile) adds the planes up in slice order and
+  writes the result (`_write`): deterministic, one launch. Small matrices, and
+  grids already wide enough, are not split.
 - `_quantized_gemm_kernel`, prefill (`GEMM_MIN_ROWS` rows or more): `[BLOCK_M, BLOCK_N]`
   output tiles, `tl.dot` on the tensor cores with the dequantized tile cast
   to the activation dtype (float32: `input_precision="ieee"`, no TF32).
@@ -116,6 +117,35 @@ def dequantize_tile(  # noqa: ANN201 (a Triton block)
     return tl.where(k_valid[None, :], w, 0.0)
 
 
+@triton.jit
+def _write(acc, out_ptr, partial_ptr, counter_ptr, offsets, mask, M, N, SPLIT: tl.constexpr):
+    """Write this program's sums `acc` at `offsets` of the `[M, N]` output.
+
+    Split (SPLIT: `tl.num_programs(2)` slices of K), each slice writes its partial sums
+    to its `[M, N]` plane of `partial_ptr` and counts itself in at its output tile's
+    counter; the slice that arrives last adds the planes up in slice order (the same
+    bits whichever slice that is), writes the output and resets the counter for the
+    next call: one launch, nothing after it."""
+    if SPLIT:
+        splits = tl.num_programs(2)
+        plane = M.to(tl.int64) * N
+        tl.store(partial_ptr + tl.program_id(2) * plane + offsets, acc, mask=mask)
+        tile = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        # acq_rel: this slice's stores are seen before its count, and the last one
+        # sees every slice's stores after reading the count.
+        arrived = tl.atomic_add(tile, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(0, splits):
+                # .cg: from L2, where the other programs' stores are, not a stale L1
+                part = tl.load(partial_ptr + s * plane + offsets, mask=mask, cache_modifier=".cg")
+                total += part
+            tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(tile, 0)
+    else:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # M, the rows of x, follows the batch: not specialised (Triton would compile a variant
 # for 1 and for multiples of 16), one compiled kernel for every batch.
 @triton.jit(do_not_specialize=["M"])
@@ -125,6 +155,8 @@ def _quantized_gemv_kernel(
     s_ptr,
     o_ptr,
     out_ptr,
+    partial_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -139,6 +171,7 @@ def _quantized_gemv_kernel(
     BLOCK_K: tl.constexpr,
     GROUPS_IN_TILE: tl.constexpr,
     COMPUTE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,8 +188,7 @@ def _quantized_gemv_kernel(
             group_size, BITS, BLOCK_N, BLOCK_K, GROUPS_IN_TILE, COMPUTE,
         )  # fmt: skip
         acc += tl.sum(w * x[None, :], axis=1)
-    out = out_ptr + split.to(tl.int64) * M * N + row * N + n
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_valid)
+    _write(acc, out_ptr, partial_ptr, counter_ptr, row * N + n, n_valid, M, N, SPLIT)
 
 
 @triton.jit(do_not_specialize=["M"])  # as the GEMV's
@@ -166,6 +198,8 @@ def _quantized_gemm_kernel(
     s_ptr,
     o_ptr,
     out_ptr,
+    partial_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -181,6 +215,7 @@ def _quantized_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUPS_IN_TILE: tl.constexpr,
     UPCAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -205,8 +240,18 @@ def _quantized_gemm_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:  # the tensor cores: the dequantized tile in x's dtype, float32 sums
             acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
-    out = out_ptr + split.to(tl.int64) * M * N + m[:, None] * N + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_valid[None, :])
+    offsets = m[:, None] * N + n[None, :]
+    _write(
+        acc,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        offsets,
+        m_valid[:, None] & n_valid[None, :],
+        M,
+        N,
+        SPLIT,
+    )
 
 
 def _check(
@@ -319,6 +364,21 @@ def _splits(tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int
     return triton.cdiv(k, k_per_split), k_per_split
 
 
+# Split-K's arrival counters, one per output tile, zero between calls (the last slice
+# of a tile resets its own): one buffer per device and stream, grown when a call has
+# more tiles. Two streams would race on one buffer.
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counters
+
+
 def quantized_linear(
     x: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor, *, group_size: int, bits: int
 ) -> Tensor:
@@ -341,10 +401,10 @@ def quantized_linear(
         TypeError: an argument that is not a tensor.
 
     Contract: 0 host syncs (every check is of shapes, dtypes and devices), 1 launch, 0
-    other device operations when K is not split (`_splits`: the grid over the outputs
-    has `ENOUGH_PROGRAMS`, or K is short); split, 2 more (the slices' sum, its
-    rounding to x's dtype). In the interpreter bfloat16 adds the rounding. One
-    compiled kernel for every number of rows M.
+    other device operations, split or not (`_splits`: no split when the grid over the
+    outputs has `ENOUGH_PROGRAMS` or K is short; split, the kernel adds the slices up).
+    In the interpreter bfloat16 adds PyTorch's rounding. One compiled kernel for every
+    number of rows M (two with a split, which is a function of the shape).
 
     Example:
         >>> q = torch.tensor([[0x31]], dtype=torch.uint8)  # codes 1 (low nibble), 3 (high)
@@ -367,18 +427,22 @@ def quantized_linear(
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     splits, k_per_split = _splits(tiles, k, block_k, x.device)
     upcast = INTERPRET and x.dtype in (torch.float16, torch.bfloat16)
-    # One slice written in x's dtype directly; several, or the interpreter's
-    # rounding, go through a float32 (float64) buffer that PyTorch sums and rounds.
-    direct = splits == 1 and not (INTERPRET and x.dtype == torch.bfloat16)
-    out = torch.empty((splits, m, n), dtype=x.dtype if direct else compute, device=x.device)
+    # The interpreter's float32 -> bfloat16 cast is wrong: there the result is written
+    # in float32 and PyTorch rounds it.
+    rounded_here = not (INTERPRET and x.dtype == torch.bfloat16)
+    out = torch.empty((m, n), dtype=x.dtype if rounded_here else compute, device=x.device)
+    split = splits > 1
+    partial = torch.empty((splits, m, n), dtype=compute, device=x.device) if split else out
+    counters = _tile_counters(x.device, tiles) if split else out
     common = dict(
         BITS=bits,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUPS_IN_TILE=groups_in_tile,
+        SPLIT=split,
     )
     args = (
-        x, qweight, scales, offsets, out, m, n, k, k_per_split,
+        x, qweight, scales, offsets, out, partial, counters, m, n, k, k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), offsets.stride(0), group_size,
     )  # fmt: skip
     if gemm:
@@ -387,6 +451,4 @@ def quantized_linear(
     else:
         grid = (m, triton.cdiv(n, block_n), splits)
         _quantized_gemv_kernel[grid](*args, COMPUTE=tl.float64 if fp64 else tl.float32, **common)
-    if direct:
-        return out[0]
-    return out.sum(0).to(x.dtype) if splits > 1 else out[0].to(x.dtype)
+    return out if rounded_here else out.to(x.dtype)

@@ -49,6 +49,7 @@ POINTER_TYPES = {
     torch.int32: "*i32",
     torch.int64: "*i64",
     torch.int8: "*i8",
+    torch.uint8: "*u8",
     torch.bool: "*i1",
 }
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
@@ -221,12 +222,23 @@ def verification_calls() -> None:
     )
 
 
+def quantized_linear_calls() -> None:
+    """The quantized linear's GEMV (decode) and GEMM (prefill), each unsplit and split
+    (CPU tensors take the interpreter's policy, which splits small grids)."""
+    for m, n, k in ((1, 4096, 1024), (1, 64, 4096), (64, 4096, 1024), (16, 64, 4096)):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        q = torch.zeros(n, k // 2, dtype=torch.uint8)
+        s = torch.ones(n, k // 32, dtype=torch.float16)
+        kernels.quantized_linear(x, q, s, s, group_size=32, bits=4)
+
+
 def main() -> int:
     compiled = intercept_launches()
     attention_calls()
     append_calls()
     sampling_calls()
     verification_calls()
+    quantized_linear_calls()
     too_large = [c for c in compiled if not c["fits"]]
     if too_large:
         print(f"shared memory over {SHARED_MEMORY_LIMIT} bytes: {too_large}", file=sys.stderr)

@@ -47,7 +47,15 @@ def test_every_launch_compiles_for_sm90_and_fits_shared_memory():
         "_logprobs_kernel",
         "_uniform_kernel",
         "_verify_kernel",
+        "_quantized_gemv_kernel",
+        "_quantized_gemm_kernel",
     }
+    splits = {
+        (launch["kernel"], launch["constexprs"]["SPLIT"])
+        for launch in launches
+        if launch["kernel"].startswith("_quantized")
+    }
+    assert len(splits) == 4  # both kernels, split and not
     assert all(launch["fits"] for launch in launches)
     computes = {launch["constexprs"].get("COMPUTE") for launch in launches}
     assert {"fp32", "fp64"} <= computes

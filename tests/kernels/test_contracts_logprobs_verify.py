@@ -16,6 +16,7 @@ import torch
 
 from decodespec import kernels
 from decodespec.kernels import logprobs, quant_linear, speculative, token_mask
+from decodespec.kernels.checks import INTERPRET
 from tests.kernels.contracts import record
 
 META = torch.device("meta")
@@ -267,6 +268,37 @@ def test_quantized_linear_unsplit_is_one_launch_and_nothing_else(m):
     assert rec.syncs == []
     assert len(rec.launches) == 1 and rec.launches[0].grid[2] == 1
     assert rec.small_ops == []
+
+
+def test_quantized_linear_split_is_one_launch_and_nothing_else():
+    """Split-K reduces inside the launch (the last slice of a tile adds the slices up):
+    no sum and no rounding after it. The counters are allocated once, on the first
+    split call of a device."""
+    call = quant_call(1, n=64, k=8192)  # 1 output tile: the interpreter's policy splits
+    record(call)
+    rec = record(call)
+    assert rec.syncs == [] and rec.small_ops == []
+    assert len(rec.launches) == 1 and rec.launches[0].grid[2] > 1
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the kernel on the CPU")
+@pytest.mark.parametrize("m", [1, 9])  # the GEMV and the GEMM
+def test_quantized_linear_split_sums_the_slices_in_order_and_resets_its_counters(m):
+    """The split result is the unsplit one's up to the order of the sums (QUANT-TOL-1),
+    the same bits call after call, and the counters are back to zero for the next."""
+    generator = torch.Generator().manual_seed(0)
+    n, k, group = 48, 1024, 32
+    x = torch.randn(m, k, generator=generator)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)
+    scales = torch.rand(n, k // group, generator=generator) / 64
+    zeros = torch.zeros(n, k // group)
+    want = x.double() @ (scales.double().repeat_interleave(group, 1) * q.double()).T
+    call = lambda: kernels.quantized_linear(x, q, scales, zeros, group_size=group, bits=8)  # noqa: E731
+    assert record(call).launches[0].grid[2] > 1
+    first, again = call(), call()
+    torch.testing.assert_close(first.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(first, again)
+    assert int(quant_linear._COUNTERS[x.device, 0].count_nonzero()) == 0
 
 
 def test_quantized_linear_compiles_once_for_every_row_count():
