@@ -50,19 +50,21 @@ fixed-size chunks. Positions are cut at fixed boundaries into chunks of
 function, `_fold`. Unsplit, a program folds its chunks in registers; with
 `num_splits = S`, program s takes chunks s, s + S, ... and writes each one's
 state to a float32 (float64) buffer of `ceil(capacity / KV_CHUNK)` chunks (the
-table's capacity), and a second kernel folds a row's chunks in order with
-`_fold` and finishes as the unsplit path does. An empty chunk folds to the
-same bits, so chunks past a row's limit and the table width do not matter.
-Both kernels run without FMA contraction (`enable_fp_fusion=False`): the
-compiler must not fuse `L·a + l·b` in one kernel and not the other.
+table's capacity), then counts itself in at its tile's arrival counter
+(`workspace.py`); the tile's last program folds the chunks in order with
+`_fold` and finishes as the unsplit path does, in the same launch. An empty
+chunk folds to the same bits, so chunks past a row's limit and the table width
+do not matter. The kernel runs without FMA contraction
+(`enable_fp_fusion=False`): the compiler must not fuse `L·a + l·b` on one path
+and not the other.
 `choose_num_splits` picks the count from the number of programs, the GPU's
 multiprocessor count and the capacity, without reading any device tensor.
 
-Why one file of some 700 lines: it is one operation, read top to bottom —
-the attention kernel, the merge kernel it needs for splits, the split
-planner and the validating wrapper — and a downstream engine vendors it as
-one unit beside `checks.py`. Splitting it would separate a kernel from the
-launch arithmetic that must agree with it.
+Why one file of some 800 lines: it is one operation, read top to bottom —
+the attention kernel, the split planner and the validating wrapper — and a
+downstream engine vendors it as one unit beside `checks.py` and `workspace.py`.
+Splitting it would separate a kernel from the launch arithmetic that must agree
+with it.
 
 No host sync (issue 59): the host checks shapes, dtypes and devices; the values of
 `block_table`, `seq_lens` and `query_start` are checked by program (b, 0, 0) of the
@@ -91,6 +93,7 @@ from .checks import (
     error_words,
     raise_for_errors,
 )
+from .workspace import arrival_counters
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # a global a kernel reads must be a constexpr
@@ -107,7 +110,7 @@ ERROR_QUERY_LEN_TOO_LONG = 8  # more rows than positions, or than max_query_len
 # Integer arguments that vary from call to call (batch, table width, splits): Triton must
 # not compile a variant for each value that is 1 or a multiple of 16.
 _RUNTIME_INTS = "batch num_tokens num_splits seq_len_limit max_query_len num_chunks".split()
-_RUNTIME_INTS += ["block_table_stride", "chunk_stride"]
+_RUNTIME_INTS += ["block_table_stride", "chunk_stride", "counter_base"]
 
 
 # ---------------------------------------------------------------- kernels
@@ -133,7 +136,7 @@ def _find_sequence(query_start_ptr, index, batch, BLOCK_Q: tl.constexpr, PER_TIL
 def _fold(m_run, l_run, acc_run, m_c, l_c, acc_c, EXP2: tl.constexpr):
     """Fold a chunk's softmax state (maximum in the exponent's base, sum, unnormalised
     output) into the running one: the one place states meet, so that the unsplit path
-    and the merge kernel round alike. An empty chunk (−inf, 0, 0) changes no bit
+    and the split tile's last program round alike. An empty chunk (−inf, 0, 0) changes no bit
     (a = 1, b = 0); the first chunk into (−inf, 0, 0) gives its own state (a = 0, b = 1)."""
     m_new = tl.maximum(m_run, m_c)
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(−inf − 0) = 0, not NaN
@@ -172,6 +175,7 @@ def _paged_attention_kernel(
     chunk_m_ptr,
     chunk_l_ptr,
     chunk_acc_ptr,
+    counters_ptr,
     errors_ptr,
     qk_scale,
     batch,
@@ -189,6 +193,7 @@ def _paged_attention_kernel(
     cache_stride_slot,
     block_table_stride,
     chunk_stride,
+    counter_base,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -318,7 +323,7 @@ def _paged_attention_kernel(
                 weighted = tl.dot(p.to(v.dtype), v, input_precision="ieee")
             acc = acc * alpha[:, None] + weighted
             m_i = m_new
-        if SPLIT:  # the chunk's own state: the merge kernel folds the chunks in order
+        if SPLIT:  # the chunk's own state, for the tile's last program to fold
             chunk = tl.cast(c, tl.int64) * chunk_stride + out_row
             tl.store(chunk_m_ptr + chunk, m_i, mask=row_valid)
             tl.store(chunk_l_ptr + chunk, l_i, mask=row_valid)
@@ -330,7 +335,32 @@ def _paged_attention_kernel(
         else:
             m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m_i, l_i, acc, EXP2)
 
-    if not SPLIT:
+    last = True
+    if SPLIT:
+        # The tile's programs count themselves in (kernels/workspace.py): the last folds
+        # every chunk in order, as the unsplit path does, so the bits do not depend on
+        # the split count; chunks past a row's limit are empty and change no bit.
+        tl.debug_barrier()  # every thread's chunk stores before the count releases them
+        counter = counters_ptr + counter_base + tile * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        last = arrived == num_splits - 1
+        if last:
+            for c in range(0, tl.cdiv(kv_end, KV_CHUNK)):
+                chunk = tl.cast(c, tl.int64) * chunk_stride + out_row
+                # .cg: from L2, where the other programs' stores are, not a stale L1
+                m_c = tl.load(
+                    chunk_m_ptr + chunk, mask=row_valid, other=float("-inf"), cache_modifier=".cg"
+                )
+                l_c = tl.load(chunk_l_ptr + chunk, mask=row_valid, other=0.0, cache_modifier=".cg")
+                acc_c = tl.load(
+                    chunk_acc_ptr + chunk[:, None] * head_dim + d[None, :],
+                    mask=row_valid[:, None] & d_valid[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m_c, l_c, acc_c, EXP2)
+            tl.atomic_xchg(counter, 0)  # zero for the next call
+    if last:
         out, lse = _finish(m_run, l_run, acc_run, EXP2)
         tl.store(
             out_ptr + out_row[:, None] * head_dim + d[None, :],
@@ -339,66 +369,6 @@ def _paged_attention_kernel(
         )
         if STORE_LSE:
             tl.store(lse_ptr + out_row, lse.to(lse_ptr.dtype.element_ty), mask=row_valid)
-
-
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
-def _merge_splits_kernel(
-    chunk_m_ptr,
-    chunk_l_ptr,
-    chunk_acc_ptr,
-    seq_lens_ptr,
-    query_start_ptr,
-    out_ptr,
-    lse_ptr,
-    batch,
-    num_chunks,
-    num_q_heads,
-    head_dim,
-    chunk_stride,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    KV_CHUNK: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    EXP2: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-):
-    # One program per token and BLOCK_H of its heads. Chunk buffers are contiguous
-    # [num_chunks, num_tokens, num_q_heads, (head_dim)], the outputs
-    # [num_tokens, num_q_heads, (head_dim)].
-    token = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_valid = h < num_q_heads
-    d = tl.arange(0, BLOCK_D)
-    d_valid = d < head_dim
-    seq = _find_sequence(query_start_ptr, token, batch, 1, False)
-    q_end = tl.load(query_start_ptr + seq + 1).to(tl.int32)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    # The chunks this row sees (its position is seq_len − q_len + row), all written by
-    # the attention kernel, folded in order as the unsplit path folds them; never past
-    # the buffers, whatever seq_lens and query_start hold.
-    seen = tl.cdiv(tl.maximum(seq_len - q_end + token + 1, 0), KV_CHUNK)
-    out_row = token.to(tl.int64) * num_q_heads + h
-    m_run = tl.full([BLOCK_H], float("-inf"), COMPUTE)
-    l_run = tl.zeros([BLOCK_H], COMPUTE)
-    acc_run = tl.zeros([BLOCK_H, BLOCK_D], COMPUTE)
-    for c in range(0, tl.minimum(seen, num_chunks)):
-        chunk = tl.cast(c, tl.int64) * chunk_stride + out_row
-        m_c = tl.load(chunk_m_ptr + chunk, mask=h_valid, other=float("-inf"))
-        l_c = tl.load(chunk_l_ptr + chunk, mask=h_valid, other=0.0)
-        acc_c = tl.load(
-            chunk_acc_ptr + chunk[:, None] * head_dim + d[None, :],
-            mask=h_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )
-        m_run, l_run, acc_run = _fold(m_run, l_run, acc_run, m_c, l_c, acc_c, EXP2)
-    out, lse = _finish(m_run, l_run, acc_run, EXP2)
-    tl.store(
-        out_ptr + out_row[:, None] * head_dim + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=h_valid[:, None] & d_valid[None, :],
-    )
-    if STORE_LSE:
-        tl.store(lse_ptr + out_row, lse.to(lse_ptr.dtype.element_ty), mask=h_valid)
 
 
 # ---------------------------------------------------------------- launch configuration
@@ -712,8 +682,8 @@ def paged_attention(
 
     Cost (tests/kernels/test_contracts_attention.py), with `errors` given: 0 host
     syncs; launches: 1 attention launch when `max_query_len` fits a short tile
-    (decode), else 2 (short and long tiles), plus 1 merge when split (num_splits >
-    1); small torch ops: at most 1 (q · scale in float64, or a copy of a q whose
+    (decode), else 2 (short and long tiles), split or not (the tile's last program
+    merges the splits); small torch ops: at most 1 (q · scale in float64, or a copy of a q whose
     head_dim is strided). With `errors` None and `validate`: 1 sync after the
     launches (`raise_for_errors`) and 2 more small ops (zeroing and reducing the words).
 
@@ -766,9 +736,13 @@ def paged_attention(
     chunk_l = torch.empty_like(chunk_m)
     chunk_acc = torch.empty(*chunk_m.shape, head_dim, dtype=compute, device=q.device)
     chunk_stride = num_tokens * num_q_heads
+    programs = [num_tiles * num_kv_heads for _, num_tiles, _, _ in launches]
+    counters = arrival_counters(q.device, sum(programs)) if split else words
     COMPUTE = tl.float64 if fp64 else tl.float32
-    # No FMA contraction: `L·a + l·b` must round the same in both kernels (_fold).
-    for tiles, num_tiles, one_tile, short_q_len in launches:
+    # No FMA contraction: `L·a + l·b` must round the same on both paths (_fold).
+    for (tiles, num_tiles, one_tile, short_q_len), counter_base in zip(
+        launches, (0, programs[0]), strict=False
+    ):
         _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
             q,
             k_cache,
@@ -781,6 +755,7 @@ def paged_attention(
             chunk_m,
             chunk_l,
             chunk_acc,
+            counters,
             words,
             qk_scale,
             batch,
@@ -798,6 +773,7 @@ def paged_attention(
             num_kv_heads * head_dim,
             block_table.stride(0),
             chunk_stride,
+            counter_base,
             GROUP=group,
             KV_CHUNK=KV_CHUNK,
             COMPUTE=COMPUTE,
@@ -814,31 +790,6 @@ def paged_attention(
             num_stages=2,
             enable_fp_fusion=False,
             **tiles,
-        )
-    if split:
-        block_d = triton.next_power_of_2(head_dim)
-        block_h = min(triton.next_power_of_2(num_q_heads), max(1, 2048 // block_d))
-        _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
-            chunk_m,
-            chunk_l,
-            chunk_acc,
-            seq_lens,
-            query_start,
-            out,
-            lse,
-            batch,
-            num_chunks,
-            num_q_heads,
-            head_dim,
-            chunk_stride,
-            BLOCK_H=block_h,
-            BLOCK_D=block_d,
-            KV_CHUNK=KV_CHUNK,
-            COMPUTE=COMPUTE,
-            EXP2=not fp64,
-            STORE_LSE=return_lse,
-            num_warps=4,
-            enable_fp_fusion=False,
         )
     if validate and errors is None:  # the one sync: read the words, explain a bad one
         explain = (q, k_cache, block_table, seq_lens, query_start, *limits)

@@ -48,6 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .checks import FLOAT_DTYPES, INTERPRET, check_kernel_device, check_tensor
+from .workspace import arrival_counters
 
 CODE_DTYPES = {4: torch.uint8, 8: torch.int8}
 # Rows of x from which the GEMM (tl.dot, at least 16 rows a tile) takes over.
@@ -131,8 +132,9 @@ def _write(acc, out_ptr, partial_ptr, counter_ptr, offsets, mask, M, N, SPLIT: t
         plane = M.to(tl.int64) * N
         tl.store(partial_ptr + tl.program_id(2) * plane + offsets, acc, mask=mask)
         tile = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        # acq_rel: this slice's stores are seen before its count, and the last one
-        # sees every slice's stores after reading the count.
+        # Every thread's stores before the count (the barrier), released with it, and
+        # acquired by the last slice (acq_rel) before it reads them.
+        tl.debug_barrier()
         arrived = tl.atomic_add(tile, 1, sem="acq_rel")
         if arrived == splits - 1:
             total = tl.zeros_like(acc)
@@ -364,21 +366,6 @@ def _splits(tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int
     return triton.cdiv(k, k_per_split), k_per_split
 
 
-# Split-K's arrival counters, one per output tile, zero between calls (the last slice
-# of a tile resets its own): one buffer per device and stream, grown when a call has
-# more tiles. Two streams would race on one buffer.
-_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < tiles:
-        counters = _COUNTERS[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    return counters
-
-
 def quantized_linear(
     x: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor, *, group_size: int, bits: int
 ) -> Tensor:
@@ -433,7 +420,7 @@ def quantized_linear(
     out = torch.empty((m, n), dtype=x.dtype if rounded_here else compute, device=x.device)
     split = splits > 1
     partial = torch.empty((splits, m, n), dtype=compute, device=x.device) if split else out
-    counters = _tile_counters(x.device, tiles) if split else out
+    counters = arrival_counters(x.device, tiles) if split else out
     common = dict(
         BITS=bits,
         BLOCK_N=block_n,

@@ -2,9 +2,9 @@
 
 Runs tests/kernels/compile_for_gpu.py in a fresh process (the kernels must be
 JIT functions there, not the interpreter's), which compiles every launch the
-wrappers make for a set of configurations covering each dtype, the split-KV
-merge, prefill tiles and head dims 64 to 256, and the sampling kernels with
-every processor and filter on, and reports each launch's registers and spills.
+wrappers make for a set of configurations covering each dtype, split-KV and
+split-K (merged in the launch), prefill tiles and head dims 64 to 256, and the
+sampling kernels with every processor and filter on, and reports each launch's registers and spills.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ def test_every_launch_compiles_for_sm90_and_fits_shared_memory():
     kernels = {launch["kernel"] for launch in launches}
     assert kernels == {
         "_paged_attention_kernel",
-        "_merge_splits_kernel",
         "_append_kv_kernel",
         "_sample_kernel",
         "_logprobs_kernel",
@@ -68,7 +67,7 @@ def spills(launch: dict) -> str:
 def test_the_hot_paths_do_not_spill_registers():
     """ptxas's own report (`ptxas -v`) for sm_90: the decode step's launches (attention
     tiles of 16 rows over a bfloat16 or float16 cache, head_dim up to 128; the sampling,
-    logprobs, verification, append and merge kernels) keep everything in registers.
+    logprobs, verification and append kernels) keep everything in registers.
     Prefill tiles, head_dim 256, float32 and float64 caches still spill (the compile
     script prints how much)."""
     launches = compile_every_launch()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from decodespec import kernels
-from decodespec.kernels import logprobs, quant_linear, speculative, token_mask
+from decodespec.kernels import logprobs, quant_linear, speculative, token_mask, workspace
 from decodespec.kernels.checks import INTERPRET
 from tests.kernels.contracts import record
 
@@ -298,7 +298,7 @@ def test_quantized_linear_split_sums_the_slices_in_order_and_resets_its_counters
     first, again = call(), call()
     torch.testing.assert_close(first.double(), want, rtol=1e-5, atol=1e-4)
     assert torch.equal(first, again)
-    assert int(quant_linear._COUNTERS[x.device, 0].count_nonzero()) == 0
+    assert int(workspace._COUNTERS[x.device, 0].count_nonzero()) == 0
 
 
 def test_quantized_linear_compiles_once_for_every_row_count():
