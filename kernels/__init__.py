@@ -13,7 +13,9 @@ the three filter masks and `uniform` (`sampling.py`), `compute_logprobs`
 (`logprobs.py`), and the verification of speculative drafts,
 `verify_drafts` (`speculative.py`), and the grammar's token mask,
 `apply_token_bitmask` (`token_mask.py`), and the weight-only int4/int8
-dequant GEMV/GEMM, `quantized_linear` (`quant_linear.py`). The conformance suite
+dequant GEMV/GEMM, `quantized_linear` (`quant_linear.py`). Beside them,
+`checks.py` (argument checks and error words) and `workspace.py` (the arrival
+counters with which split attention and split-K finish in one launch). The conformance suite
 lists the other operations as missing and, with this package as the default
 implementation, runs their tests as a self-check of the spec.
 """
