@@ -656,11 +656,11 @@ def _sample_kernel(
 
         # The searches and the draw read `source`: the scratch row, or (CANDIDATES) the
         # tokens pass 1 kept at or above its bound, in index order. Every token it left
-        # lies at or below the bound, so where each threshold found among them lies
-        # above the bound, the row's searches would find the same: the candidates hold
-        # every token the filters keep. Where one does not (a guess of top-p alone that
-        # later chunks broke), a pass bounds the row exactly and compacts again; where
-        # even that fails, the searches walk the row.
+        # lies at or below the bound, so where the largest threshold found among them
+        # lies above the bound (and top-k's, with top-p), the row's searches would find
+        # the same: the candidates hold every token the filters keep. Where not (a
+        # guess of top-p alone that later chunks broke), a pass bounds the row exactly
+        # and compacts again; where even that fails, the searches walk the row.
         source = scratch_row
         length = vocab
         use_candidates = row < 0
