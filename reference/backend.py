@@ -6,19 +6,22 @@ one for all; a backend is the table of functions it calls:
 
 - `spec`: the spec's functions, the definition itself;
 - `torch`: the spec's functions, but attention batched across sequences
-  (`batched_attention`) and quantized projections on PyTorch's CPU kernels
-  (`cpu_linear`), their decode steps in C between the kernels
-  (`native_step`): the fast choice on a CPU, and the commands' default;
+  (`batched_attention`), projections on the C products (`cpu_linear`), every
+  pass in C between them (`native_step`), and the sampling stages on one
+  thread (`one_thread`): the fast choice on a CPU, the commands' default, and a
+  request's bits its own whatever the batch;
 - `triton`: the kernels (the Triton interpreter without a GPU), quantized
   projections included (`KernelLinear`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -94,9 +97,36 @@ class KernelLinear:
         return KernelLinear(self.weight.to(device), self.quantized_linear)
 
 
+T = TypeVar("T")
+
+
+def one_thread(stage: Callable[..., T]) -> Callable[..., T]:
+    """`stage` run on one intra-op thread: a row's sums then never split across threads.
+
+    PyTorch reduces a `[rows, vocab]` tensor's rows in parallel when it has enough
+    rows, and splits the one row of a `[1, vocab]` tensor between the threads
+    otherwise, in another order: a request's logprobs alone then differed in their
+    last bits from the same row beside others (9.5e-7, issue 60). On one thread
+    every row is reduced by the same loop, whatever the batch. The sampling stages
+    are a small part of a step's time."""
+
+    @functools.wraps(stage)
+    def on_one_thread(*args: object, **kwargs: object) -> T:
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return stage(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return on_one_thread
+
+
 def prepare_for_torch(weights: ModelWeights) -> ModelWeights:
-    """The torch backend's weights: quantized projections on PyTorch's CPU kernels
-    (`cpu_linear`) when the model is on the CPU; elsewhere the definition."""
+    """The torch backend's weights: projections on the CPU kernels (`cpu_linear`) when
+    the model is on the CPU; elsewhere the definition."""
     return cpu_linear.pack_for_cpu(weights) if weights.device.type == "cpu" else weights
 
 
@@ -116,6 +146,10 @@ TORCH_BACKEND = replace(
     name="torch",
     paged_attention=batched_attention.paged_attention,
     append_kv=batched_attention.append_kv,
+    sample=one_thread(sampling.sample),
+    process_logits=one_thread(sampling.process_logits),
+    compute_logprobs=one_thread(sampling.compute_logprobs),
+    verify_drafts=one_thread(speculative.verify_drafts),
     prepare_weights=prepare_for_torch,
     native_step=native_step.native_step,
 )

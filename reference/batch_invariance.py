@@ -1,14 +1,20 @@
-"""Batch-invariant mode: a request's logits are bitwise a function of the request alone.
+"""Batch-invariant mode, for the engines not batch-invariant by construction.
 
-Without it, a seeded request's tokens and logprobs can depend on what else the
-engine is running (issue 40): the same row of a projection comes out of a
-CPU GEMM in different bits when the GEMM has 1, 2, 3 or 5 rows than when it
-has 16 or more (the BLAS picks another kernel and another summation order);
-the torch backend's batched attention pads every sequence of a group to the
-group's longest, which changes the length of each row's sums; and the native
-decode step runs only passes of a few tokens, so a request's token takes the
-C loops alone and the PyTorch path beside a prefill. Each is fixed here, for
-every backend:
+The default engine (the torch backend on the CPU, with the C library) needs no
+mode: every pass runs its native step, which computes each row alone in C (its
+products, QUANT-A8-1's or `native_dense.c`'s, sum each row in one order fixed by
+the weight's shape; its attention each (row, head) alone), and its sampling
+stages run on one thread (`backend.one_thread`): a seeded request's bits are its
+own whatever the batch (LOOP-INVARIANT-1). `Engine(batch_invariant=True)` there
+changes nothing.
+
+Elsewhere (the spec and triton backends, bfloat16 weights, no C library) a
+request's tokens and logprobs can depend on what else the engine is running
+(issue 40): the same row of a projection comes out of a CPU GEMM in different
+bits when the GEMM has 1, 2, 3 or 5 rows than when it has 16 or more (the BLAS
+picks another kernel and another summation order); the torch backend's batched
+attention pads every sequence of a group to the group's longest, which changes
+the length of each row's sums. The mode fixes each, where the machine allows:
 
 - every projection, the output one included, multiplies a multiple of
   `ROW_STEP` rows when it has fewer than `ROW_BLOCK`: the rest are zero rows,
@@ -23,9 +29,9 @@ every backend:
   quantized definition, PyTorch's weight-only kernels) is measured once per
   process and shape (`row_invariance`), and where a row's bits change with
   the row count the engine refuses the mode (`BatchInvarianceUnavailable`).
-  The C library's quantized product (int4 and int8 weights on the torch
-  backend, `cpu_linear.ActivationQuantizedLinear`) computes each row alone
-  by construction, on any machine, and is not measured;
+  The C library's products (`cpu_linear.ActivationQuantizedLinear`,
+  `cpu_linear.DenseLinear`) compute each row alone by construction, on any
+  machine, and are not measured;
 - the KV append is the spec's own, and attention computes every query row as a
   sequence of its own (`rows_alone`): a row's bits would otherwise depend on
   how many rows its sequence has in the pass (ATTN-INVARIANT-1), which a cached
@@ -35,7 +41,8 @@ every backend:
   (`spec.attention.paged_attention`), one row at a time;
 - the sampling stages (processors, sampling, logprobs, verification) run on one
   thread (`one_thread`): PyTorch splits a lone row's sums between threads;
-- no native step: every pass takes the same PyTorch path;
+- no native step (there is none where the mode applies): every pass takes the
+  same PyTorch path;
 - on the triton backend, quantized projections by the spec's definition, not the
   Triton `quantized_linear`, which computes fewer than 8 rows by another kernel
   than 8 or more.
@@ -47,13 +54,11 @@ itself. `Engine(batch_invariant=True)`, `--batch-invariant` on
 
 from __future__ import annotations
 
-import functools
 import platform
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -63,7 +68,7 @@ from decodespec.spec.forward import ModelWeights, Weight
 from decodespec.spec.quant import QuantizedWeight
 
 from . import cpu_linear, native_attention, native_library
-from .backend import SPEC_BACKEND, Backend
+from .backend import SPEC_BACKEND, Backend, one_thread
 from .native_library import NativeUnavailable
 from .weight_formats import describe
 
@@ -81,7 +86,6 @@ CHECKED_ROWS = (2, 5, 10, 15, 16, 17, 33, 100, 257)
 # (2 M N K): every count for the projections of a model like the bundled one, up to 33
 # for its 49,152-row output projection, whose GEMM of 257 rows would take seconds.
 CHECK_FLOPS = 10**9
-T = TypeVar("T")
 
 
 def dense_product(x: Tensor, weight: Tensor) -> Tensor:
@@ -154,27 +158,6 @@ def row_blocked(weights: ModelWeights) -> ModelWeights:
         for layer in weights.layers
     ]  # fmt: skip
     return replace(weights, layers=layers, output=wrap(weights.output))
-
-
-def one_thread(stage: Callable[..., T]) -> Callable[..., T]:
-    """`stage` run on one intra-op thread: a row's sums then never split across threads.
-
-    PyTorch reduces a `[rows, vocab]` tensor's rows in parallel when it has enough
-    rows, and splits the one row of a `[1, vocab]` tensor between the threads
-    otherwise, in another order: a request's logprobs alone then differ in their
-    last bits from the same row beside others. On one thread every row is summed
-    the same way. The sampling stages are a small part of a step's time."""
-
-    @functools.wraps(stage)
-    def on_one_thread(*args: object, **kwargs: object) -> T:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return stage(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
-
-    return on_one_thread
 
 
 def rows_alone(
@@ -459,10 +442,10 @@ def _machine(device: torch.device) -> str:
 def _what_works() -> str:
     """The configuration whose projections need no premise, and whether it can be had."""
     works = (
-        "int4 or int8 weights on the torch backend on the CPU (`--weights int4 --backend "
-        "torch`, the commands' defaults for the bundled model; `Engine(convert_weights("
-        "weights, 'int4'), tokenizer, backend='torch', batch_invariant=True)`): the C "
-        "library multiplies their projections (QUANT-A8-1), each row alone at any row count"
+        "float32, int8 or int4 weights on the torch backend on the CPU (the commands' "
+        "default backend; `Engine(weights, tokenizer, backend='torch')`), batch-invariant "
+        "by construction with no option: its native step multiplies each row alone in C "
+        "at any row count"
     )
     try:
         if native_library.disabled():

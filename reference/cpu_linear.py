@@ -42,11 +42,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from decodespec.spec.forward import LayerWeights, ModelWeights
+from decodespec.spec.forward import LayerWeights, ModelWeights, Weight
 from decodespec.spec.quant import QuantizedWeight
 
 from . import native_library
-from .weight_formats import map_quantized
+from .weight_formats import PROJECTIONS, map_quantized
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 KERNEL_DTYPE = torch.bfloat16
@@ -292,6 +292,57 @@ class ActivationQuantizedLinear:
         return self
 
 
+class DenseLinear:
+    """A float32 projection multiplied in C (`native_dense.c`), each row of the result in
+    one order fixed by `in_features` alone: the same bits alone or among any rows, on
+    any thread count, with the AVX2 loops or the scalar ones (which a BLAS does not
+    promise: issue 40). As fast as PyTorch's GEMM on the bundled model's shapes.
+
+    `linear(x)`: `x` `[M, K]` float32 (other floating dtypes through float32), the
+    result `[M, N]` in `x`'s dtype. The weight tensor is held, not copied (a tied
+    output projection stays the embedding).
+
+    Example:
+        >>> w = DenseLinear(torch.randn(8, 64), native_library.library())
+        >>> x = torch.randn(3, 64)
+        >>> torch.equal(w.linear(x)[1:2], w.linear(x[1:2]))
+        True
+    """
+
+    bits = 32
+
+    def __init__(self, weight: Tensor, lib: object) -> None:
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"DenseLinear takes a 2-D float32 CPU tensor, got {weight.dtype}")
+        self.lib = lib
+        self.unwrapped = weight.contiguous()  # `weight_formats` counts and names this one
+        self.shape = tuple(weight.shape)
+        self.group_size = self.shape[1]
+        # the weight's arguments as native_step's table takes them (a product's fields)
+        self.arguments = (self.unwrapped.data_ptr(), 0, 0, self.bits, *self.shape, self.shape[1], 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.unwrapped.nbytes
+
+    def linear(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.float32:
+            return self.linear(x.float()).to(x.dtype)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.shape[0])
+        self.lib.dense_product(self.unwrapped.data_ptr(), *self.shape, x.data_ptr(), x.shape[0],
+                               y.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return y
+
+    def dequantize(self) -> Tensor:
+        return self.unwrapped
+
+    def to(self, device: torch.device | str) -> DenseLinear:
+        if torch.device(device).type != "cpu":
+            raise ValueError("weights packed for the CPU kernels stay on the CPU")
+        return self
+
+
 class SharedInput:
     """Sibling projections of one input (a layer's Q, K and V; its gate and up) packed as
     one matrix, so that one kernel call computes all of them.
@@ -303,16 +354,19 @@ class SharedInput:
     held, so a match is never a recycled id.
     """
 
-    def __init__(self, weights: list[QuantizedWeight]) -> None:
+    def __init__(self, weights: list[Weight]) -> None:
         first = weights[0]
-        stacked = QuantizedWeight(
-            _concatenate([w.qweight for w in weights]),
-            _concatenate([w.scales for w in weights]),
-            _concatenate([w.offsets for w in weights]),
-            first.group_size,
-            first.bits,
-        )
-        self.kernel = pack(stacked)
+        if isinstance(first, Tensor):
+            self.kernel = pack(torch.cat(weights))
+        else:
+            stacked = QuantizedWeight(
+                _concatenate([w.qweight for w in weights]),
+                _concatenate([w.scales for w in weights]),
+                _concatenate([w.offsets for w in weights]),
+                first.group_size,
+                first.bits,
+            )
+            self.kernel = pack(stacked)
         self.input: Tensor | None = None
         self.output: Tensor | None = None
         bounds = [0]
@@ -351,13 +405,18 @@ class SharedInputMember:
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-CpuKernel = ActivationQuantizedLinear | CpuInt4Linear | CpuInt8Linear
+CpuKernel = ActivationQuantizedLinear | CpuInt4Linear | CpuInt8Linear | DenseLinear
 
 
-def pack(weight: QuantizedWeight) -> CpuKernel:
-    """`weight` on QUANT-A8-1's C product where it applies and the library can be had,
-    else on PyTorch's kernel for its bits (ValueError if that cannot take it)."""
+def pack(weight: Weight) -> Weight:
+    """`weight` on the C products where they apply and the library can be had: a float32
+    tensor on `DenseLinear`, a quantized weight on QUANT-A8-1's; else a quantized weight
+    on PyTorch's kernel for its bits (ValueError if that cannot take it) and any other
+    tensor as it is (PyTorch's GEMM)."""
     lib = _library()
+    if isinstance(weight, Tensor):
+        takes = lib is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+        return DenseLinear(weight, lib) if takes else weight
     if lib is not None and takes_activation_quantized(weight):
         return ActivationQuantizedLinear(weight, lib)
     return CpuInt4Linear(weight) if weight.bits == 4 else CpuInt8Linear(weight)
@@ -375,8 +434,8 @@ def _library() -> object | None:
 
 
 def products(weights: ModelWeights) -> str:
-    """How the model's quantized projections multiply, in a few words (the engine's
-    path line): "int8 activations (QUANT-A8-1, C avx2)" or PyTorch's kernels'."""
+    """How the model's projections multiply, in a few words (the engine's path line):
+    "int8 activations (QUANT-A8-1, C avx2)", "float32 (C, ...)" or PyTorch's kernels'."""
     kinds = set()
     for layer in weights.layers:
         for f in fields(layer):
@@ -387,12 +446,25 @@ def products(weights: ModelWeights) -> str:
                 kinds.add(f"int8 activations (QUANT-A8-1, C {isa})")
             elif isinstance(kernel, (CpuInt4Linear, CpuInt8Linear)):
                 kinds.add("bfloat16 activations (PyTorch's int4/int8 kernels)")
+            elif isinstance(kernel, DenseLinear):
+                kinds.add(f"float32 (C, one order a row, {kernel.lib.dense_isa().decode()})")
     return "; ".join(sorted(kinds))
 
 
+def _shares_a_kernel(group: list[Weight]) -> bool:
+    """Whether siblings `group` stack into one matrix: all quantized in one layout, or
+    all float32 tensors."""
+    if all(isinstance(w, Tensor) for w in group):
+        return _library() is not None and all(w.dtype == torch.float32 for w in group)
+    layouts = {(w.bits, w.group_size) for w in group if isinstance(w, QuantizedWeight)}
+    return all(isinstance(w, QuantizedWeight) for w in group) and len(layouts) == 1
+
+
 def pack_for_cpu(model: ModelWeights) -> ModelWeights:
-    """`model` with every quantized projection on a CPU kernel (dense tensors shared);
-    siblings of one input of the same layout share a kernel call (`SharedInput`).
+    """`model` with every projection on a CPU kernel (`pack`: float32 ones on
+    `DenseLinear`, quantized ones on QUANT-A8-1's product or PyTorch's kernels; the
+    embedding, norms and biases shared); siblings of one input share a kernel call
+    (`SharedInput`).
 
     Raises:
         ValueError: a quantized projection no CPU kernel takes (int4 groups
@@ -405,8 +477,14 @@ def pack_for_cpu(model: ModelWeights) -> ModelWeights:
         values = {f.name: getattr(layer, f.name) for f in fields(layer)}
         for names in SIBLINGS:
             group = [values[name] for name in names]
-            layouts = {(w.bits, w.group_size) for w in group if isinstance(w, QuantizedWeight)}
-            if all(isinstance(w, QuantizedWeight) for w in group) and len(layouts) == 1:
+            if _shares_a_kernel(group):
                 values.update(zip(names, SharedInput(group).members, strict=True))
+        for name in PROJECTIONS:
+            values[name] = _packed(values[name])
         layers.append(LayerWeights(**values))
-    return map_quantized(replace(model, layers=layers), pack)
+    return replace(model, layers=layers, output=_packed(model.output))
+
+
+def _packed(weight: Weight) -> Weight:
+    """`pack(weight)`, or `weight` itself when it is packed already."""
+    return pack(weight) if isinstance(weight, (Tensor, QuantizedWeight)) else weight

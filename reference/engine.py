@@ -154,11 +154,6 @@ class Engine:
         if long_prompt_chunk is not None:
             _check_int("long_prompt_chunk", long_prompt_chunk, 1)
         self.long_prompt_interval = _check_int("long_prompt_interval", long_prompt_interval, 1)
-        # Prompts whole: naive passes recompute every sequence anyway, and in batch-
-        # invariant mode a row's attention bits depend on its pass's query count
-        # (ATTN-INVARIANT-1), so a prompt cut into other chunks would change them.
-        self.token_budget = None if naive or batch_invariant else token_budget
-        self.long_prompt_chunk = None if self.token_budget is None else long_prompt_chunk
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
@@ -171,14 +166,29 @@ class Engine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self.backend = get_backend(backend)
         check_backend_device(self.backend, weights.device)
-        self.batch_invariant = batch_invariant
-        if batch_invariant:  # a request's bits its own, whatever the batch (batch_invariance)
+        # The backend's kernels for the projections (weight_formats, cpu_linear).
+        prepared = self.backend.prepare_weights(weights)
+        native = None if naive else self.backend.native_step(prepared)
+        # With the native step every pass computes each row alone, in one order (its
+        # products, norms, attention; the sampling stages on one thread): a request's
+        # bits are its own whatever the batch, by construction. Elsewhere the mode's
+        # stages give it where the machine's GEMM allows (batch_invariance).
+        self.batch_invariant = native is not None or batch_invariant
+        if native is not None and (token_budget is None or token_budget > native.max_tokens):
+            token_budget = native.max_tokens  # every pass on the step, a long prompt in chunks
+        if batch_invariant and native is None:
             self.backend = batch_invariant_backend(self.backend)
-        # The backend's kernels for quantized projections (weight_formats).
-        weights = self.backend.prepare_weights(weights)
+            prepared = self.backend.prepare_weights(weights)
+            # Prompts whole: a row's attention bits there depend on its pass's query
+            # count (ATTN-INVARIANT-1), so a prompt cut into other chunks would change them.
+            token_budget = None
+        # naive passes recompute every sequence whole anyway
+        self.token_budget = None if naive else token_budget
+        self.long_prompt_chunk = None if self.token_budget is None else long_prompt_chunk
+        weights = prepared
         if draft_model is not None:
             draft_model = self.backend.prepare_weights(draft_model)
-        if batch_invariant:
+        if batch_invariant and native is None:
             weights = row_blocked(weights)
             draft_model = row_blocked(draft_model) if draft_model is not None else None
             # the mode's premise, measured on this machine: refused where it fails
@@ -198,7 +208,7 @@ class Engine:
                 device=weights.device,
             )  # fmt: skip
             self.block_manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-            self.runner = PagedModelRunner(weights, self.backend, self.sampler, self.cache)
+            self.runner = PagedModelRunner(weights, self.backend, self.sampler, self.cache, native)
         self.drafter: Drafter | None = None
         if speculate is not None:
             self.drafter = make_drafter(

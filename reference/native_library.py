@@ -1,12 +1,12 @@
 """The C library of the torch backend: compiled at first use, loaded with ctypes.
 
-Three sources make one library: `native_step.c`, the loops between the kernels
+Four sources make one library: `native_step.c`, the loops between the kernels
 of the native decode step (`native_step.py`); `native_attention.c`, the stage
 contract's KV append and attention, which the step calls
-(`native_attention.py`); and `native_quantized.c`, the quantized projections
-(`cpu_linear.py`). They are compiled once per machine with the system's C
-compiler into the user's cache directory, keyed by the sources, the flags and
-the compiler.
+(`native_attention.py`); `native_quantized.c`, the quantized projections, and
+`native_dense.c`, the float32 ones (`cpu_linear.py`). They are compiled once
+per machine with the system's C compiler into the user's cache directory,
+keyed by the sources, the flags and the compiler.
 
 Where that fails (no compiler, a compile error, an unwritable cache directory,
 a library that does not load from a noexec one) `library()` says why in one
@@ -28,7 +28,7 @@ from pathlib import Path
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("native_step.c", "native_attention.c", "native_quantized.c")
+    for name in ("native_step.c", "native_attention.c", "native_quantized.c", "native_dense.c")
 )
 # Reassociation lets the compiler vectorize the dot products and sums (attention's,
 # the norm's): another order of float32 sums, as any kernel's.
@@ -51,10 +51,13 @@ _SIGNATURES = {
     "int4_tiles_bytes": [_I64, _I64, _I64],
     "pack_int4_tiles": [_VOID_P, _VOID_P, _VOID_P, _I64, _I64, _I64, _I64, _VOID_P],
     "dequantize_int4_tiles": [_VOID_P, _I64, _I64, _I64, _VOID_P],
+    # native_dense.c: the float32 projections (cpu_linear.py)
+    "dense_product": [_VOID_P, _I64, _I64, _VOID_P, _I64, _VOID_P, _I64],
 }  # fmt: skip
 _RESULTS = {"quantized_product": ctypes.c_int, "decoder_layers": ctypes.c_int,
             "paged_attention": ctypes.c_int, "int4_tiles_bytes": ctypes.c_int64,
-            "compiler_version": ctypes.c_char_p, "quantized_isa": ctypes.c_char_p}  # fmt: skip
+            "compiler_version": ctypes.c_char_p, "quantized_isa": ctypes.c_char_p,
+            "dense_isa": ctypes.c_char_p}  # fmt: skip
 
 
 class NativeUnavailable(RuntimeError):

@@ -180,13 +180,21 @@ int quantized_product(const uint8_t *codes, const void *scales, const void *offs
 
 /* A layer's row of `decoder_layers`' table: its four projections as quantized weights
  * (WEIGHT_FIELDS each: codes, scales, offsets addresses; bits, rows, columns, group
- * size, half), then the addresses of its two norms' weights and of its q, k and v biases
+ * size, half; a float32 weight: its address, 0, 0, 32, rows, columns, columns, 0), then the addresses of its two norms' weights and of its q, k and v biases
  * side by side (0: none). native_step.py writes it. */
 enum { W_CODES, W_SCALES, W_OFFSETS, W_BITS, W_ROWS, W_COLUMNS, W_GROUP, W_HALF, WEIGHT_FIELDS };
 enum { L_QKV = 0, L_O = WEIGHT_FIELDS, L_GATE_UP = 2 * WEIGHT_FIELDS, L_DOWN = 3 * WEIGHT_FIELDS,
        L_ATTN_NORM = 4 * WEIGHT_FIELDS, L_MLP_NORM, L_BIAS, LAYER_FIELDS };
 
+/* native_dense.c: a float32 weight's product (W_BITS 32, W_CODES its [rows, columns]). */
+void dense_product(const float *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                   int64_t threads);
+
 static int product(const int64_t *w, const float *x, int64_t tokens, float *y, int64_t threads) {
+    if (w[W_BITS] == 32) {
+        dense_product((const float *)w[W_CODES], w[W_ROWS], w[W_COLUMNS], x, tokens, y, threads);
+        return 0;
+    }
     return quantized_product((const uint8_t *)w[W_CODES], (const void *)w[W_SCALES],
                              (const void *)w[W_OFFSETS], w[W_BITS], w[W_ROWS], w[W_COLUMNS],
                              w[W_GROUP], w[W_HALF], x, 0, tokens, y, 0, threads);

@@ -1,4 +1,4 @@
-"""The torch backend's forward pass for quantized models on the CPU: C between the products.
+"""The torch backend's forward pass on the CPU: C between the products.
 
 A decode step of the spec's decoder (`spec/forward.py`) on a 2-core CPU is
 mostly dispatch: beside the projections, the ~75 tensor operations a layer
@@ -6,10 +6,11 @@ mostly dispatch: beside the projections, the ~75 tensor operations a layer
 about 11 ms a token of SmolLM2-135M, each too small to be worth its call, and
 even one Python call per projection and per loop cost about 4 ms a token.
 `NativeStep` runs every layer in one C call (`decoder_layers` in
-`native_step.c`): the four projections on QUANT-A8-1's C product (the
-function `cpu_linear.ActivationQuantizedLinear` calls, float32 in and out)
-and, between them, three loops that compute what the spec computes there, in
-float32, on the float32 residual stream and KV cache:
+`native_step.c`): the four projections on the C products (QUANT-A8-1's,
+which `cpu_linear.ActivationQuantizedLinear` calls, or the float32 one
+`cpu_linear.DenseLinear` calls; float32 in and out) and, between them,
+three loops that compute what the spec computes there, in float32, on the
+float32 residual stream and KV cache:
 
     h = norm(x)             add_rms_norm   FWD-NORM-1
     qkv = h W_qkvᵀ          product
@@ -28,11 +29,12 @@ order of the other float32 sums differs; a sum that moves in its last bit
 can move an activation's int8 code, which the tests allow for
 (tests/engine/test_native_step.py).
 
-It takes a model whose every projection is on the C product, with Q/K/V and
+It takes a model whose every projection is on a C product, with Q/K/V and
 gate/up each stacked as one (`cpu_linear.pack_for_cpu` makes both for the
-int8 and int4 formats), and passes of up to `MAX_TOKENS` tokens: decode
-steps, speculative verification and prompts (in chunks of the token budget,
-or whole). A longer pass takes the batched PyTorch path.
+int8, int4 and float32 formats), and passes of up to `MAX_TOKENS` tokens:
+decode steps, speculative verification and prompts (in chunks of the token
+budget, which the engine holds to `MAX_TOKENS`). A longer pass takes the
+batched PyTorch path.
 
 `attention`'s KV append and attention are the C functions `append_kv` and
 `paged_attention`, which `native_attention.py` exposes as the stage
@@ -64,7 +66,7 @@ from decodespec.spec.forward import (
 )
 
 from . import native_library
-from .cpu_linear import ActivationQuantizedLinear, SharedInputMember
+from .cpu_linear import ActivationQuantizedLinear, DenseLinear, SharedInputMember
 from .native_library import NativeUnavailable, describe, library
 
 # Longer passes run the batched PyTorch path. The step's own buffers take about 33 KB a
@@ -111,8 +113,8 @@ def unsupported(weights: ModelWeights) -> str | None:
         if qkv is None or gate_up is None:
             return f"layer {i}'s Q/K/V or gate/up projections are not one CPU kernel"
         products = (qkv, gate_up, layer.o_proj, layer.down_proj)
-        if not all(isinstance(w, ActivationQuantizedLinear) for w in products):
-            return f"layer {i}'s projections are not on the C product (QUANT-A8-1)"
+        if not all(isinstance(w, (ActivationQuantizedLinear, DenseLinear)) for w in products):
+            return f"layer {i}'s projections are not on the C products (QUANT-A8-1, float32)"
     return None
 
 

@@ -39,6 +39,7 @@ from decodespec.spec.generate import TokenLogprobs
 
 from .backend import Backend
 from .cache import PagedKVCache
+from .native_step import NativeStep
 from .request import Draft, PassOutcome, Request
 from .sampler import Sampler
 
@@ -125,14 +126,21 @@ class ModelRunner:
 
 class PagedModelRunner(ModelRunner):
     """Runs the new tokens over the paged KV cache, writing each request's K/V from
-    its `num_cached` positions on; the outcome says how many it then holds."""
+    its `num_cached` positions on; the outcome says how many it then holds.
+    `native`: the backend's native step for these weights, which runs every pass
+    of up to its `max_tokens` (None: the spec's decoder with the backend's stages)."""
 
     def __init__(
-        self, weights: ModelWeights, backend: Backend, sampler: Sampler, cache: PagedKVCache
+        self,
+        weights: ModelWeights,
+        backend: Backend,
+        sampler: Sampler,
+        cache: PagedKVCache,
+        native: NativeStep | None = None,
     ) -> None:
         super().__init__(weights, backend, sampler)
         self.cache = cache
-        self.native = backend.native_step(weights)
+        self.native = native
 
     def hidden_states(self, token_ids: Tensor, paged: PagedBatch) -> Tensor:
         """`cached_hidden_states` of the packed tokens: the backend's native step for

@@ -372,5 +372,7 @@ def _kind(weight: Weight) -> str:
     weight = getattr(weight, "unwrapped", weight)  # a batch_invariance.RowBlockLinear's
     if isinstance(weight, Tensor):
         return str(weight.dtype).removeprefix("torch.")
+    if weight.bits == 32:  # a float32 tensor on the C product (`cpu_linear.DenseLinear`)
+        return "float32"
     group = "" if weight.group_size == weight.shape[1] else f" g{weight.group_size}"
     return f"int{weight.bits}{group}"

@@ -33,25 +33,30 @@ the whole sequence (the last token always runs: its logits choose the next
 one). The request's tokens, text, logprobs and finish reason are the loop's.
 Fewer tokens in a pass may change a logit in its last bits, as batching
 does; equality is then decided with the same explicit near-tie ambiguity —
-except in batch-invariant mode, where it is bitwise (LOOP-INVARIANT-1).
+except for a batch-invariant engine, where it is bitwise (LOOP-INVARIANT-1).
 
-[LOOP-INVARIANT-1] Batch-invariant mode. An engine in this mode reproduces
-the loop bitwise: each step's logits, hence its token under a seed and every
-logprob, are the bits of this loop run on the request alone with the mode's
-stage functions, whatever else the engine runs (other requests, their
-number, lengths and arrival, the block size, preemption), after a cached
-prefix, and under speculation (a position's logits in a (k + 1)-token verify
-pass are its logits computed alone). Every operation then computes a row
-the same way whatever else is in its call: attention (ATTN-INVARIANT-1) and
-the sampling stages (SAMPLE-INVARIANT-1, VERIFY-OUTPUT-1) by their own
-clauses; the norms, RoPE and the MLP's elementwise steps row by row as they
-are written; and the projections over their number of rows M, which no
-stage clause asks of a matmul: a CPU GEMM picks other kernels, summing in
-other orders, for different M. decodespec's `--batch-invariant` multiplies
-a multiple of 4 rows whenever a projection has fewer than 16
-(`reference/batch_invariance.py`, measured for M = 1 … 2,048), and the loop
-given the same projections (the engine's weights: its formats, row-blocked)
-and stage functions is that mode's reference.
+[LOOP-INVARIANT-1] Batch invariance. An engine whose every operation computes
+a row from that row alone reproduces the loop bitwise: each step's logits,
+hence its token under a seed and every logprob, are the bits of this loop run
+on the request alone with the engine's forward pass (`hidden_states`) and
+stage functions, whatever else the engine runs (other requests, their number,
+lengths and arrival, the token budget's chunks, the block size, preemption),
+after a cached prefix, and under speculation (a position's logits in a
+(k + 1)-token verify pass are its logits computed alone). Attention
+(ATTN-INVARIANT-1) and the sampling stages (SAMPLE-INVARIANT-1,
+VERIFY-OUTPUT-1) have it by their own clauses, the norms, RoPE and the MLP's
+elementwise steps row by row as they are written; the projections need it of
+their matmul, which no stage clause asks: a BLAS picks other kernels, summing
+in other orders, for different numbers of rows. decodespec's default engine
+(the torch backend on the CPU) has it by construction, with no option: every
+pass runs its native step, whose products sum each (weight row, activation
+row) pair in one order fixed by the weight's shape (QUANT-A8-1's for
+quantized weights, `reference/native_dense.c` for float32 ones) and whose
+attention computes each (row, head) alone, and its sampling stages run on one
+thread. Elsewhere (the spec and triton backends, bfloat16 weights, a machine
+without a C compiler) `--batch-invariant` gives it where the machine's GEMM
+keeps a row's bits at every row count (`reference/batch_invariance.py`,
+which measures it and refuses otherwise).
 
 [LOOP-DECODE-1] Every later step t (counting from 0) runs exactly one token,
 the one step t − 1 emitted, at position n + t − 1 through the cache; the
@@ -114,12 +119,15 @@ from torch import Tensor
 from . import sampling
 from .append import append_kv
 from .attention import paged_attention
-from .forward import ModelWeights, PagedBatch, forward_cached
+from .forward import ModelWeights, PagedBatch, forward_cached, project_logits
 from .params import SamplingParams, SamplingTensors, sampling_tensors, validate_request
 from .stop import FinishReason, StopChecker
 from .token_mask import TokenMatcher, bitmask_words, removed_tokens
 
 KVCache = list[tuple[Tensor, Tensor]]
+# hidden_states(token_ids, batch, kv_cache) -> the final hidden states of the tokens,
+# their K/V appended: `cached_hidden_states`, or an engine's own forward pass
+HiddenStates = Callable[[Tensor, PagedBatch, KVCache], Tensor]
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,24 @@ class StepOutput:
     text: str
     finish_reason: FinishReason | None
     logprobs: TokenLogprobs | None
+
+
+def run_tokens(
+    weights: ModelWeights,
+    kv_cache: KVCache,
+    token_ids: Tensor,
+    batch: PagedBatch,
+    attention: Callable[..., Tensor],
+    append: Callable[..., None],
+    hidden_states: HiddenStates | None,
+) -> Tensor:
+    """`forward_cached`'s logits, the hidden states by `hidden_states` when given."""
+    if hidden_states is None:
+        return forward_cached(
+            weights, token_ids, batch, kv_cache, attention=attention, append=append
+        )
+    hidden = hidden_states(token_ids, batch, kv_cache)
+    return project_logits(hidden[batch.logits_indices], weights.output)
 
 
 def request_batch(kv_cache: KVCache, start: int, count: int) -> PagedBatch:
@@ -175,11 +201,12 @@ def prefill(
     *,
     attention: Callable[..., Tensor] = paged_attention,
     append: Callable[..., None] = append_kv,
+    hidden_states: HiddenStates | None = None,
 ) -> Tensor:
     """Run the prompt into the request's empty cache; `[vocab]` logits after it (LOOP-PREFILL-1)."""
     token_ids = torch.tensor(list(prompt_ids), dtype=torch.int64, device=weights.device)
     batch = request_batch(kv_cache, 0, len(token_ids))
-    logits = forward_cached(weights, token_ids, batch, kv_cache, attention=attention, append=append)
+    logits = run_tokens(weights, kv_cache, token_ids, batch, attention, append, hidden_states)
     return logits[0]
 
 
@@ -192,11 +219,12 @@ def decode_one_token(
     *,
     attention: Callable[..., Tensor] = paged_attention,
     append: Callable[..., None] = append_kv,
+    hidden_states: HiddenStates | None = None,
 ) -> Tensor:
     """Run one token at `position` through the cache; `[vocab]` logits after it (LOOP-DECODE-1)."""
     token_ids = torch.tensor([token_id], dtype=torch.int64, device=weights.device)
     batch = request_batch(kv_cache, position, 1)
-    logits = forward_cached(weights, token_ids, batch, kv_cache, attention=attention, append=append)
+    logits = run_tokens(weights, kv_cache, token_ids, batch, attention, append, hidden_states)
     return logits[0]
 
 
@@ -236,6 +264,7 @@ def generate(
     process_logits: Callable[..., Tensor] = sampling.process_logits,
     compute_logprobs: Callable[..., sampling.Logprobs] = sampling.compute_logprobs,
     matcher: TokenMatcher | None = None,
+    hidden_states: HiddenStates | None = None,
 ) -> Iterator[StepOutput]:
     """Generate one request, streaming one `StepOutput` per token (the LOOP clauses).
 
@@ -252,6 +281,9 @@ def generate(
         token_bytes: the bytes of a token id (the text, STOP-UTF8-1).
         block_size: positions per block of the request's cache, >= 1.
         matcher: the request's grammar, fresh (LOOP-GRAMMAR-1); None: unconstrained.
+        hidden_states: an engine's forward pass over the cache in place of
+            `cached_hidden_states` (with `attention` and `append`), for
+            LOOP-INVARIANT-1's comparison; None: the spec's.
 
     Raises:
         ValueError: an invalid request, or no seed (LOOP-REQUEST-1).
@@ -287,7 +319,8 @@ def generate(
     nan = {"fill_value": torch.nan, "dtype": weights.dtype, "device": weights.device}
     kv_cache = [(torch.full(shape, **nan), torch.full(shape, **nan)) for _ in weights.layers]
 
-    logits = prefill(weights, kv_cache, prompt, attention=attention, append=append)
+    stages = {"attention": attention, "append": append, "hidden_states": hidden_states}
+    logits = prefill(weights, kv_cache, prompt, **stages)
     output: list[int] = []
     while True:
         bitmask = None
@@ -313,6 +346,4 @@ def generate(
         if delta.finish_reason is not None:
             return
         position = len(prompt) + len(output) - 1
-        logits = decode_one_token(
-            weights, kv_cache, token, position, attention=attention, append=append
-        )
+        logits = decode_one_token(weights, kv_cache, token, position, **stages)

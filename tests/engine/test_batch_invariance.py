@@ -1,8 +1,12 @@
-"""Batch-invariant mode (`Engine(batch_invariant=True)`, `reference/batch_invariance.py`):
-a seeded request's tokens and every logprob are bitwise the same alone, in a batch of
-any composition, after a cached prefix, and with speculative decoding (issue 40).
+"""Batch invariance (LOOP-INVARIANT-1): a seeded request's tokens and every logprob are
+bitwise the same alone, in a batch of any composition, after a cached prefix, in the
+token budget's chunks and with speculative decoding (issues 40, 60).
 
-The mode rests on a premise about the machine's GEMM (a row's bits do not depend on
+The default engine (the torch backend) has it by construction, with no option: its
+native step computes each row alone in C, its sampling stages run on one thread; every
+test here asserts its bits on any machine. The spec backend has it in batch-invariant
+mode (`Engine(batch_invariant=True)`, `reference/batch_invariance.py`), which rests on
+a premise about the machine's GEMM (a row's bits do not depend on
 how many rows share the call, once padded to a multiple of `ROW_STEP`), which holds on
 some CPUs and not on others (issue 58). No test here asserts it: the premise check is
 tested against stand-in GEMMs that keep and break it, and each engine test asserts the
@@ -110,6 +114,17 @@ def mode_engine(weights, backend: str = "spec", **options) -> Engine | None:
     return None
 
 
+def invariant_engine(weights, backend: str, **options) -> Engine | None:
+    """The batch-invariant engine of `backend`: the torch backend's default, by
+    construction (no option; its native step runs every pass), or the spec backend's in
+    the mode (`mode_engine`: None where this machine refuses it)."""
+    if backend != "torch":
+        return mode_engine(weights, backend, **options)
+    engine = Engine(weights, ByteTokenizer(), backend="torch", **options)
+    assert engine.batch_invariant and engine.runner.native is not None, engine.path
+    return engine
+
+
 def assert_clear_refusal(message: str, weights, backend: str, failures) -> None:
     assert message.startswith(f"batch-invariant mode refused for {describe(weights)}")
     assert f", backend {backend}: " in message and "Measured on PyTorch " in message
@@ -117,7 +132,7 @@ def assert_clear_refusal(message: str, weights, backend: str, failures) -> None:
         rows, disagreeing = (", ".join(map(str, r)) for r in (verdict.rows, verdict.disagreeing))
         assert f"a row alone and among {rows} rows gave other bits among {disagreeing}" in message
         assert f"{', '.join(names)} ({verdict.product})" in message
-    assert "What works: int4 or int8 weights on the torch backend" in message
+    assert "What works: float32, int8 or int4 weights on the torch backend" in message
 
 
 def row_by_row(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -282,16 +297,17 @@ def test_row_blocked_weights_keep_their_formats(models):
 def test_a_request_has_the_same_bits_alone_and_in_any_batch(
     models, fmt, backend, lengths, position, joins
 ):
-    """Bitwise equal where the premise holds on this machine; else refused clearly."""
+    """Bitwise equal: always on the torch backend; in the spec's mode where the premise
+    holds on this machine, else refused clearly."""
     weights = models[fmt]
-    engine = mode_engine(weights, backend)
+    engine = invariant_engine(weights, backend)
     if engine is None:
         return  # refused, and clearly (mode_engine asserts it)
     alone = bits(run(engine, [REQUEST])[0])
     others = [list(bytes(range(97, 97 + 26)) * 4)[:n] for n in lengths]
     position = min(position, len(others))
     prompts = [*others[:position], REQUEST, *others[position:]]
-    engine = mode_engine(weights, backend)
+    engine = invariant_engine(weights, backend)
     together = run(engine, prompts, joins[: len(prompts)])
     assert bits(together[position]) == alone
 
@@ -301,15 +317,16 @@ def test_a_request_has_the_same_bits_alone_and_in_any_batch(
 @pytest.mark.parametrize("fmt", ["float32", "int4"])
 def test_a_cached_prefix_a_token_budget_and_speculation_change_no_bit(models, fmt, backend):
     """LOOP-PREFIX-1 made bitwise: the prompt's rows after a prefix another request
-    cached, and a verify pass's rows, come out as computed alone, token by token; a
-    token budget does not cut the prompt. (Refused clearly where the premise fails.)"""
+    cached, and a verify pass's rows, come out as computed alone, token by token, and a
+    prompt in the token budget's chunks as whole. (The spec's mode: refused clearly where
+    the premise fails.)"""
     weights = models[fmt]
     prompt = SYSTEM + REQUEST
-    if mode_engine(weights, backend) is None:
+    if invariant_engine(weights, backend) is None:
         return  # refused, and clearly (mode_engine asserts it)
 
     def engine(**options):
-        return Engine(weights, ByteTokenizer(), backend=backend, batch_invariant=True, **options)
+        return invariant_engine(weights, backend, **options)
 
     alone = bits(run(engine(), [prompt])[0])
     cached = engine()
@@ -317,11 +334,12 @@ def test_a_cached_prefix_a_token_budget_and_speculation_change_no_bit(models, fm
     after_prefix = run(cached, [prompt])[0]
     assert after_prefix.cached_tokens > 0
     assert bits(after_prefix) == alone
-    # The mode runs prompts whole: a row's attention bits depend on its pass's query
-    # count (ATTN-INVARIANT-1), so chunks cut by what else runs would change them.
-    unchunked = engine(token_budget=7)
-    assert unchunked.token_budget is None and "prompts whole" in unchunked.path
-    assert bits(run(unchunked, [prompt])[0]) == alone
+    chunked = engine(token_budget=7)
+    if backend == "torch":  # each row alone in the native step: chunks change no bit
+        assert chunked.token_budget == 7
+    else:  # the mode runs prompts whole (the spec's attention: ATTN-INVARIANT-1)
+        assert chunked.token_budget is None and "prompts whole" in chunked.path
+    assert bits(run(chunked, [prompt])[0]) == alone
     # Speculation samples by rejection (its draws are not plain sampling's), so the
     # verify pass is compared greedy: each position's logprobs as computed alone.
     greedy = SamplingParams(temperature=0, max_tokens=8, top_logprobs=3, ignore_eos=True)
@@ -335,32 +353,37 @@ def test_a_cached_prefix_a_token_budget_and_speculation_change_no_bit(models, fm
 @pytest.mark.parametrize("backend", ["spec", "torch"])
 @pytest.mark.parametrize("fmt", ["float32", "int4"])
 def test_a_request_in_a_batch_is_the_spec_loop_bit_for_bit(models, fmt, backend):
-    """LOOP-INVARIANT-1: the engine in this mode, running the request beside others
-    that join at other steps, gives every token and logprob the bits of the spec's loop
-    on the request alone with the mode's projections (the engine's own weights: the
-    backend's formats, row-blocked), its attention (each query row alone) and
-    one-thread sampling stages: no near-tie ambiguity. (Refused clearly where the
-    premise fails.)"""
+    """LOOP-INVARIANT-1: the engine, running the request beside others that join at
+    other steps, gives every token and logprob the bits of the spec's loop on the
+    request alone with the engine's forward pass and one-thread sampling stages: no
+    near-tie ambiguity. The torch backend's forward pass is its native step (the loop's
+    `hidden_states`); the spec's mode's is the spec's decoder with its projections (the
+    engine's own weights: the backend's formats, row-blocked) and its attention (each
+    query row alone). (The mode: refused clearly where the premise fails.)"""
     weights = models[fmt]
     others = [list(b"abcdefghijklmnopqrstuvwxyz" * 2)[:n] for n in (5, 40)]
-    engine = mode_engine(weights, backend)
+    engine = invariant_engine(weights, backend)
     if engine is None:
         return  # refused, and clearly (mode_engine asserts it)
     together = run(engine, [others[0], REQUEST, others[1]], joins=[0, 1, 3])[1]
     tokenizer = ByteTokenizer()
-    assert all(isinstance(w, RowBlockLinear) for w in (engine.weights.output,
-               *(layer.q_proj for layer in engine.weights.layers)))  # fmt: skip
+    if backend == "torch":
+        forward = {"hidden_states": engine.runner.native}
+    else:
+        assert all(isinstance(w, RowBlockLinear) for w in (engine.weights.output,
+                   *(layer.q_proj for layer in engine.weights.layers)))  # fmt: skip
+        forward = {"attention": rows_alone}
     loop = list(
         generate(
-            engine.weights,  # the backend's weight formats, row-blocked
+            engine.weights,  # the backend's weight formats (row-blocked in the mode)
             REQUEST,
             PARAMS,
             eos_token_ids=tokenizer.eos_token_ids,
             token_bytes=tokenizer.token_bytes,
-            attention=rows_alone,
             sample=one_thread(sampling.sample),
             process_logits=one_thread(sampling.process_logits),
             compute_logprobs=one_thread(sampling.compute_logprobs),
+            **forward,
         )
     )
     expected = [(s.logprobs.token_id, s.logprobs.logprob, s.logprobs.rank, tuple(s.logprobs.top))
@@ -390,10 +413,10 @@ def test_the_triton_backend_keeps_quantized_rows_off_the_row_count_dependent_ker
 
 def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch():
     """PyTorch splits the sums of a lone `[1, vocab]` row between its threads: the
-    mode's backend runs the sampling stages on one thread, so a request's logprobs
+    torch backend runs the sampling stages on one thread, so a request's logprobs
     alone equal its logprobs beside another request (a vocabulary as wide as the
     bundled model's: narrow rows are never split)."""
-    backend = batch_invariant_backend(get_backend("torch"))
+    backend = get_backend("torch")
     logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 4
     tokens = torch.tensor([7, 9])
     alone = backend.compute_logprobs(logits[1:], tokens[1:], 5)
@@ -403,18 +426,19 @@ def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch():
 
 
 @pytest.mark.clause("LOOP-PREFIX-1", "LOOP-INVARIANT-1")
+@pytest.mark.parametrize("backend", ["spec", "torch"])
 @pytest.mark.parametrize("fmt", ["float32", "int4"])
-def test_a_prompt_after_its_cached_prefix_has_the_bits_of_the_cache_off(models, fmt):
+def test_a_prompt_after_its_cached_prefix_has_the_bits_of_the_cache_off(models, fmt, backend):
     """A prompt after one that began like it: the cache serves all but its last token
     (whole blocks of 16, or part of one, or both), which then runs as the pass's only
     query row, where the spec's attention computes a lone row in other bits than one
-    among many. The mode computes every query row alone: the bits of the cache off.
-    (Refused clearly where the premise fails.)"""
+    among many. The native step and the mode compute every query row alone: the bits
+    of the cache off. (The mode: refused clearly where the premise fails.)"""
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=3, top_logprobs=2, ignore_eos=True)
-    cached = mode_engine(models[fmt])
+    cached = invariant_engine(models[fmt], backend)
     if cached is None:
         return  # refused, and clearly (mode_engine asserts it)
-    plain = mode_engine(models[fmt], prefix_caching=False)
+    plain = invariant_engine(models[fmt], backend, prefix_caching=False)
     run(cached, [list(REQUEST[:40])], params=params)  # registers its first two blocks
     for length in (2, 5, 16, 17, 18, 30, 33):
         prompt = list(REQUEST[:length])
@@ -462,8 +486,7 @@ def failing_gemm(monkeypatch):
 
 @pytest.mark.parametrize(
     ("fmt", "backend"),
-    [("float32", "spec"), ("float32", "torch"), ("bfloat16", "torch"), ("int4", "spec"),
-     ("int4", "triton")],
+    [("float32", "spec"), ("bfloat16", "torch"), ("int4", "spec"), ("int4", "triton")],
 )  # fmt: skip
 def test_where_the_premise_fails_the_mode_is_refused_clearly(models, fmt, backend, failing_gemm):
     """Every configuration whose projections go through PyTorch's GEMM is refused at
@@ -486,18 +509,27 @@ def test_where_the_premise_fails_the_mode_is_refused_clearly(models, fmt, backen
     assert Engine(weights, ByteTokenizer(), backend=backend).path  # refused only in the mode
 
 
-def test_where_the_premise_fails_the_c_product_is_still_accepted(models, failing_gemm):
-    """int4 weights on the torch backend multiply by the C library's product, which does
-    not go through the GEMM: the mode is accepted, and a request's bits are its own."""
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_where_the_premise_fails_the_default_engine_is_still_batch_invariant(
+    models, failing_gemm, fmt, flag
+):
+    """The torch backend multiplies float32 and int4 weights by the C library's products,
+    which do not go through the GEMM: nothing is measured, `batch_invariant` changes
+    nothing, and a request's bits are its own."""
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=3, top_logprobs=2, ignore_eos=True)
-    engine = Engine(models["int4"], ByteTokenizer(), backend="torch", batch_invariant=True)
-    projections = [layer.q_proj.unwrapped.shared.kernel for layer in engine.weights.layers]
-    native = (*projections, engine.weights.output.unwrapped)
-    assert all(isinstance(p, cpu_linear.ActivationQuantizedLinear) for p in native)
+
+    def engine() -> Engine:
+        return Engine(models[fmt], ByteTokenizer(), backend="torch", batch_invariant=flag)
+
+    first = engine()
+    kernel = cpu_linear.DenseLinear if fmt == "float32" else cpu_linear.ActivationQuantizedLinear
+    projections = [layer.q_proj.shared.kernel for layer in first.weights.layers]
+    assert all(isinstance(p, kernel) for p in (*projections, first.weights.output))
+    assert first.runner.native is not None and first.batch_invariant
     assert not batch_invariance._VERDICTS  # nothing measured
-    alone = bits(run(engine, [REQUEST], params=params)[0])
-    engine = Engine(models["int4"], ByteTokenizer(), backend="torch", batch_invariant=True)
-    together = run(engine, [list(b"abcdefghijklmnopqrstuvwxyz"), REQUEST], [0, 1], params)[1]
+    alone = bits(run(first, [REQUEST], params=params)[0])
+    together = run(engine(), [list(b"abcdefghijklmnopqrstuvwxyz"), REQUEST], [0, 1], params)[1]
     assert bits(together) == alone
 
 
@@ -529,4 +561,4 @@ def test_the_commands_report_a_refusal_in_one_line_with_exit_status_2(models, fa
     assert code == 2
     assert "Traceback" not in err.getvalue()
     assert err.getvalue().startswith("decodespec: error: batch-invariant mode refused for ")
-    assert "What works: int4 or int8 weights on the torch backend" in err.getvalue()
+    assert "What works: float32, int8 or int4 weights on the torch backend" in err.getvalue()

@@ -104,7 +104,7 @@ def assert_close(actual, expected, what):
 @settings(max_examples=25, deadline=None)
 @given(
     passes(),
-    st.sampled_from(["int4", "int8"]),
+    st.sampled_from(["int4", "int8", "float32"]),
     st.booleans(),
     st.integers(0, 2**16),
 )
@@ -218,7 +218,7 @@ def test_bad_tokens_and_caches_are_refused():
 
 
 def test_models_it_does_not_take_say_why():
-    dense = prepare_for_torch(random_weights(small_config()))
+    dense = random_weights(small_config())  # not packed: PyTorch's GEMM
     assert "not one CPU kernel" in unsupported(dense)
     bf16 = prepare_for_torch(convert_weights(random_weights(small_config()), "bfloat16"))
     assert "float32 activations" in unsupported(bf16)
@@ -235,12 +235,16 @@ def test_models_it_does_not_take_say_why():
     assert "layer 0's Q/K/V" in unsupported(cpu_linear.pack_for_cpu(weights))
     assert native_step.native_step(dense) is None
     assert isinstance(native_step.native_step(packed_model("int8")), NativeStep)
+    assert isinstance(native_step.native_step(prepare_for_torch(dense)), NativeStep)  # float32
 
 
 def test_the_engine_runs_it_for_short_passes_only(monkeypatch):
     """Passes of up to `max_tokens` tokens run the native step; longer ones (a long
     prompt) the spec's decoder with the batched stages. Either way the output is
-    the spec loop's (tests/engine/test_weight_formats.py checks the tokens)."""
+    the spec loop's (tests/engine/test_weight_formats.py checks the tokens). The
+    engine's token budget keeps every pass within `max_tokens` (a budget of None
+    becomes it); a longer pass is the runner's fallback, tried here by lowering
+    `max_tokens` after the engine is built."""
     engine = Engine(packed_model("int4"), ByteTokenizer(), backend="torch", cache_tokens=256,
                     token_budget=None)  # prompts in one pass  # fmt: skip
     runner = engine.runner
@@ -415,8 +419,8 @@ FAILURES = {
     "no compiler": (no_compiler, "no C compiler ('"),
     "compile error": (
         broken_compiler,
-        "failed on native_step.c + native_attention.c + native_quantized.c: fatal error: math.h: "
-        "No such file",
+        "failed on native_step.c + native_attention.c + native_quantized.c + native_dense.c: "
+        "fatal error: math.h: No such file",
     ),
     "unwritable cache": (unwritable_cache, "cannot build in"),
     "library does not load": (unloadable_library, "cannot load"),
@@ -451,7 +455,7 @@ def test_status_names_the_path(fresh_library, monkeypatch):
     assert isinstance(step, NativeStep)
     assert re.fullmatch(r"native step \(C, cc [\w .()+-]+\)", step.description), step.description
     assert native_step.status(weights) == native_step.status() == step.description
-    dense = prepare_for_torch(random_weights(small_config()))
+    dense = random_weights(small_config())  # not packed: PyTorch's GEMM
     assert native_step.status(dense) == f"off: {unsupported(dense)}"
     monkeypatch.setenv("DECODESPEC_NATIVE", "0")
     assert native_step.status(weights) == "off: DECODESPEC_NATIVE=0"
