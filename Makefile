@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-determinism bench-prefix bench-structured bench-quant bench-llama check-servers bench-chunked gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
+.PHONY: run test lint system-deps compiler peers bench-cpu bench-speculative bench-serve bench-determinism bench-invariance bench-prefix bench-structured bench-quant bench-llama check-servers bench-chunked gpu-check bench-attention bench-sampling docs serve-docs docs-report docs-data
 
 # The peers' packages at the versions the committed matrix ran (tests/peers/versions.txt).
 $(STAMP): pyproject.toml Makefile tests/peers/versions.txt
@@ -135,6 +135,12 @@ bench-chunked: $(STAMP)
 # compared bitwise (results/determinism-cpu.json; BASE_URL=... for another server).
 bench-determinism: $(STAMP)
 	$(PY) -m tests.benchmarks.determinism $(if $(BASE_URL),--base-url $(BASE_URL))
+
+# What batch invariance by construction costs: this checkout's engine against the
+# revision before it, side by side, decode / prefill / 1-4-16 streams, int4 and float32
+# (results/invariance-cost-cpu.json; about ten minutes).
+bench-invariance: $(STAMP)
+	$(PY) -m tests.benchmarks.invariance_cost
 
 # CPU benchmark of prefix caching: the time to first token of questions after a system
 # prompt of 512, 1,024 and 2,048 tokens, cache on and off (about six minutes):

@@ -366,8 +366,16 @@ def seed_repeats(ctx: Context) -> Outcome:
 
 @check("a seeded answer does not depend on the load", "LOOP-INVARIANT-1")
 def seed_under_load(ctx: Context) -> Outcome:
+    """The same seeded request alone and beside 6 others, twice: the same text and, where
+    the server returns logprobs, every logprob and alternative bitwise as the JSON
+    carries them (a server whose sums move with its batch passes on text alone)."""
     params = {"temperature": 1.0, "max_tokens": 24, "seed": 99}
-    alone = ctx.ok(ctx.complete(STORY, **params))
+    first = ctx.complete(STORY, **params, logprobs=min(ctx.top_n, 5))
+    if 400 <= first.status < 500:  # no logprobs here: the text alone is compared
+        first = ctx.complete(STORY, **params)
+    else:
+        params["logprobs"] = min(ctx.top_n, 5)
+    alone = ctx.ok(first)
 
     def background(i: int) -> None:
         prompt = LOAD_PROMPTS[i % len(LOAD_PROMPTS)]
@@ -385,9 +393,42 @@ def seed_under_load(ctx: Context) -> Outcome:
             return failed(
                 f"round {round_ + 1}: alone {alone.text!r}, beside 6 other requests "
                 f"{loaded.text!r}",
+                first,
                 loaded_exchange,
             )
-    return passed("the same text alone and beside 6 concurrent requests, twice")
+        difference = _first_difference(alone.positions, loaded.positions)
+        if difference is not None:
+            return failed(
+                f"round {round_ + 1}: the same text, but {difference}", first, loaded_exchange
+            )
+    if alone.positions is None:
+        return passed(
+            "the same text alone and beside 6 concurrent requests, twice (text only: "
+            "no logprobs came back)",
+            first,
+        )
+    return passed(
+        f"the same text and all {len(alone.positions)} tokens' logprobs bitwise, alone and "
+        "beside 6 concurrent requests, twice",
+        first,
+    )
+
+
+def _first_difference(alone: list[Position] | None, loaded: list[Position] | None) -> str | None:
+    """Where two answers' logprobs first differ in any bit, in words; None if nowhere."""
+    if alone is None or loaded is None:
+        return None if alone is loaded else "logprobs came back only one of the two times"
+    if len(alone) != len(loaded):
+        return f"{len(alone)} logprob entries alone, {len(loaded)} under load"
+    for i, (a, b) in enumerate(zip(alone, loaded, strict=True)):
+        if a.token != b.token or a.logprob != b.logprob:
+            return (
+                f"token {i} ({a.token!r}) has logprob {a.logprob!r} alone, "
+                f"{b.logprob!r} ({b.token!r}) under load"
+            )
+        if a.top != b.top:
+            return f"token {i}'s alternatives are {a.top!r} alone, {b.top!r} under load"
+    return None
 
 
 BAD_PARAMS = (

@@ -191,8 +191,9 @@ def add_batch_invariant_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="a seeded request's tokens and logprobs bitwise the same whatever else runs "
-        "beside it (projections in blocks of at least 16 rows, attention per sequence, no "
-        "native step; see docs/determinism.md for what it costs); refused, naming why, "
-        "where this machine's GEMM breaks its premise for the chosen weights",
+        help="for the spec and triton backends, bfloat16 weights or a machine without a C "
+        "compiler: a seeded request's tokens and logprobs bitwise the same whatever else runs "
+        "beside it (projections padded to blocks of rows, attention per row; see "
+        "docs/determinism.md), refused, naming why, where this machine's GEMM breaks its "
+        "premise. The default backend is batch-invariant without it (a no-op there)",
     )

@@ -97,10 +97,14 @@ class Engine:
         draft_model: the second model of `speculate="model"` (same vocabulary).
         grammar_backend: the library that compiles structured outputs, "llguidance"
             (the default) or "xgrammar" (`grammar_backends.py`).
-        batch_invariant: a request's tokens and logprobs are bitwise the same
-            alone or in any batch, with or without a cached prefix
-            (`batch_invariance.py`); `BatchInvarianceUnavailable` (a ValueError)
-            where this machine's GEMM breaks the mode's premise for these weights.
+        batch_invariant: where the engine is not batch-invariant by construction
+            (it is with the torch backend's native step: float32, int8 or int4
+            weights on the CPU with the C library), the mode that makes it so: a
+            request's tokens and logprobs bitwise the same alone or in any batch,
+            with or without a cached prefix (`batch_invariance.py`);
+            `BatchInvarianceUnavailable` (a ValueError) where this machine's GEMM
+            breaks the mode's premise for these weights. `self.batch_invariant`
+            says whether the engine is, either way.
         token_budget: about how many tokens a pass runs (chunked prefill,
             `scheduler.py`): decoding requests one each, prompts in chunks of
             what is left; None runs every prompt whole in one pass, as naive
@@ -232,7 +236,8 @@ class Engine:
 
     def _describe_path(self) -> str:
         """What computes every request: the weights' format, the backend, the decode
-        step (the native C step, or why not) and the token budget, in one line."""
+        step (the native C step, or why not), whether a request's bits are its own
+        whatever the batch, and the token budget, in one line."""
         parts = [describe(self.weights), f"backend {self.backend.name}"]
         if products := cpu_linear.products(self.weights):
             parts.append(products)
@@ -244,6 +249,12 @@ class Engine:
             if self.batch_invariant:
                 why = "batch-invariant mode"
             parts.append(f"native step off ({why})")
+        if native is not None:
+            parts.append("batch-invariant by construction")
+        elif self.batch_invariant:
+            parts.append("batch-invariant mode")
+        else:
+            parts.append("not batch-invariant (--batch-invariant)")
         budget, chunk = self.token_budget, self.long_prompt_chunk
         if budget is None:
             parts.append("prompts whole")

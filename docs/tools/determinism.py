@@ -1,5 +1,6 @@
 """The Determinism page's measured sections, from `results/determinism*.json`
-(`make bench-determinism`, `tests/benchmarks/determinism.py`), and its matrix of
+(`make bench-determinism`, `tests/benchmarks/determinism.py`) and
+`results/invariance-cost-cpu.json` (`make bench-invariance`), and its matrix of
 which implementations, ours and the peers', meet the batch-invariance clauses,
 from `results/peers.json` (`make peers`)."""
 
@@ -9,8 +10,14 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# The runs the page shows, in order: our server by default, in the mode, and in int4.
-FILES = ("determinism-cpu.json", "determinism-invariant-cpu.json", "determinism-int4-cpu.json")
+# The runs the page shows, in order: our server with its defaults (the file's int4), in
+# float32, and llama.cpp's llama-server.
+FILES = (
+    "determinism-cpu.json",
+    "determinism-float32-cpu.json",
+    "determinism-llama-server-cpu.json",
+)
+COST_FILE = "invariance-cost-cpu.json"
 TABLE_MARKER = "{{ determinism_table }}"
 COST_MARKER = "{{ determinism_cost }}"
 MATRIX_MARKER = "{{ invariance_matrix }}"
@@ -44,27 +51,24 @@ def phases_table(runs: list[dict]) -> str:
     return "\n".join(lines) + f"\n\n*Commands: {commands}.*"
 
 
-def cost_table(runs: list[dict]) -> str:
-    """In-process decode throughput with and without the mode, per weight format."""
-    costs = [run["cost"] for run in runs if run.get("cost")]
-    if not costs:
-        return "Not measured yet: run `make bench-determinism` with `--cost-rounds 2`."
-    lines = [
-        "| weights | streams | tokens/s | with `--batch-invariant` | relative |",
-        "|---|---|---|---|---|",
-    ]
-    for cost in costs:
-        rates = cost["tokens_per_s"]
-        for streams in (1, 16):
-            plain = rates[f"{streams} streams"]
-            invariant = rates[f"{streams} streams, batch-invariant"]
+def cost_table(cost: dict | None) -> str:
+    """Per weight format and measure: the engine before and after invariance by
+    construction (medians), and after / before."""
+    if not cost:
+        return "Not measured yet: run `make bench-invariance`."
+    lines = ["| weights | measure | before | after | after / before |", "|---|---|---|---|---|"]
+    for fmt, sides in cost["formats"].items():
+        name = "int4 (the file's)" if fmt == "auto" else fmt
+        for measure, before in sides["before"].items():
+            after = sides["after"][measure]
             lines.append(
-                f"| {cost['weights']} | {streams} | {plain:.1f} | {invariant:.1f} | "
-                f"{invariant / plain:.2f}x |"
+                f"| {name} | {measure} | {before:.2f} | {after:.2f} | "
+                f"{sides['after_relative'][measure]:.2f}x |"
             )
     return "\n".join(lines) + (
-        "\n\n*In-process engine, greedy, 32 tokens per stream, the fastest of the rounds "
-        "(interleaved), `python -m tests.benchmarks.determinism --cost-rounds 2`.*"
+        f"\n\n*{cost['machine']}; medians of {cost['rounds']} interleaved rounds, each "
+        f"measurement in its own process; before: {cost['before']}, after: {cost['after']}; "
+        "after / before > 1 is better (times inverted); `make bench-invariance`.*"
     )
 
 
@@ -112,6 +116,6 @@ def fill(markdown: str, results_dir: Path = ROOT / "results") -> str:
     matrix = invariance_matrix(_json(results_dir / "peers.json"))
     return (
         markdown.replace(TABLE_MARKER, phases_table(runs))
-        .replace(COST_MARKER, cost_table(runs))
+        .replace(COST_MARKER, cost_table(_json(results_dir / COST_FILE)))
         .replace(MATRIX_MARKER, matrix)
     )

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 import httpx
 
 from tests.benchmarks.gpu import write_json
+from tests.peers import llama_build
 from tests.serve import load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,44 +157,14 @@ async def run_phases(base_url: str, model: str, args: argparse.Namespace) -> dic
     }
 
 
-def measure_cost(weights_format: str, rounds: int, max_tokens: int = 32) -> dict:
-    """In-process decode throughput of our engine with and without `batch_invariant`,
-    1 and 16 streams, rounds interleaved; the fastest round of each is kept."""
-    from decodespec.reference.loader import load_model  # torch: only here
-    from decodespec.reference.model_files import bundled_model_path
-
-    weights, tokenizer = load_model(bundled_model_path(), weights=weights_format)
-    rates: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for streams in (1, 16):
-            for invariant in (False, True):
-                rate = load.in_process(
-                    weights, tokenizer, load.PROMPTS[:streams], max_tokens,
-                    batch_invariant=invariant,
-                )  # fmt: skip
-                name = f"{streams} streams{', batch-invariant' if invariant else ''}"
-                rates.setdefault(name, []).append(round(rate, 1))
-    best = {name: max(values) for name, values in rates.items()}
-    return {
-        "weights": weights_format,
-        "max_tokens": max_tokens,
-        "tokens_per_s_all_rounds": rates,
-        "tokens_per_s": best,
-        "batch_invariant_relative": {
-            f"{streams} streams": round(
-                best[f"{streams} streams, batch-invariant"] / best[f"{streams} streams"], 3
-            )
-            for streams in (1, 16)
-        },
-    }
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", help="an OpenAI-compatible /v1 URL (default: start ours)")
     parser.add_argument("--model", default=load.MODEL, help="the model name to send")
     parser.add_argument("--allow-remote", action="store_true", help="allow a non-loopback URL")
-    parser.add_argument("--weights", default="float32", help="our server's weight format")
+    parser.add_argument(
+        "--weights", default="auto", help="our server's weight format (default the file's)"
+    )
     parser.add_argument("--backend", default=None, help="our server's backend")
     parser.add_argument(
         "--batch-invariant", action="store_true", help="our server with --batch-invariant"
@@ -203,12 +174,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-logprobs", type=int, default=5)
     parser.add_argument("--stagger-ms", type=float, default=150.0)
-    parser.add_argument(
-        "--cost-rounds",
-        type=int,
-        default=0,
-        help="also measure what --batch-invariant costs in-process (this many rounds)",
-    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.requests < 1 or args.max_tokens < 1 or not math.isfinite(args.stagger_ms):
@@ -236,7 +201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode = " --batch-invariant" if args.batch_invariant else ""
             server_name = f"decodespec serve --weights {args.weights} --backend {backend}{mode}"
             measured = asyncio.run(run_phases(server.base_url, args.model, args))
-    cost = measure_cost(args.weights, args.cost_rounds) if args.cost_rounds else None
     results = {
         "benchmark": "determinism",
         "command": " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])]),
@@ -247,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "top_logprobs": args.top_logprobs,
         "stagger_ms": args.stagger_ms,
         **measured,
-        "cost": cost,
+        "cpu": llama_build.describe()["cpu"],
     }
     write_json(args.out, results)
     print(f"{server_name}: {args.requests} seeded requests, compared with each sent alone")
@@ -257,9 +221,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"bitwise {phase['bitwise']:>3}/{phase['requests']}, "
             f"largest logprob difference {phase['max_logprob_difference']:.3g}"
         )
-    if cost is not None:
-        for name, rate in cost["tokens_per_s"].items():
-            print(f"  in-process, {name:<28} {rate:7.1f} tokens/s")
     print(f"wrote {args.out}")
     bitwise = all(p["bitwise"] == p["requests"] for p in measured["phases"].values())
     return 0 if bitwise else 1

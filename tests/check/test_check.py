@@ -30,8 +30,9 @@ from tests.serve import live
 
 def rewriting(app, state: dict):
     """`app` behind a layer that hands each POST's JSON body to `state["mutate"]`
-    (which edits it, or returns a status to answer with instead) and records the
-    Authorization header it saw."""
+    (which edits it, or returns a status to answer with instead), records the
+    Authorization header it saw, and hands each JSON answer to `state["edit"]` (with
+    the number of POSTs then in flight, this one included) to edit before it goes."""
 
     async def layer(scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -61,9 +62,35 @@ def rewriting(app, state: dict):
                 return {"type": "http.request", "body": new, "more_body": False}
             return await receive()
 
-        return await app(dict(scope, headers=headers), replay, send)
+        state["in_flight"] = state.get("in_flight", 0) + 1
+        try:
+            return await app(dict(scope, headers=headers), replay, edited(send, state))
+        finally:
+            state["in_flight"] -= 1
 
     return layer
+
+
+def edited(send, state: dict):
+    """`send` with a whole JSON answer passed through `state["edit"]` when it is set."""
+    start = None
+
+    async def sending(message):
+        nonlocal start
+        edit = state.get("edit")
+        if edit is None:
+            return await send(message)
+        if message["type"] == "http.response.start":
+            start = message  # sent with the edited body's length
+            return None
+        data = json.loads(message["body"])
+        edit(data, state["in_flight"])
+        body = json.dumps(data).encode()
+        headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        return await send({"type": "http.response.body", "body": body})
+
+    return sending
 
 
 def keep(body: dict) -> None:
@@ -144,6 +171,37 @@ BROKEN = [
     ("min_p draws stay above the threshold", drop("min_p")),
     ("draw frequencies follow the reported probabilities at T 0.7, 1, 1.5", hotter),
 ]
+
+
+def logprobs_move_with_load(answer: dict, in_flight: int) -> None:
+    """An answer sent while other requests run has every logprob a bit lower, as a
+    server's whose sums depend on its batch (its text unchanged)."""
+    if in_flight < 2:
+        return
+    for choice in answer.get("choices") or []:
+        logprobs = choice.get("logprobs") or {}
+        logprobs["token_logprobs"] = [
+            math.nextafter(x, -math.inf) for x in logprobs.get("token_logprobs") or []
+        ]
+
+
+def test_a_server_whose_logprobs_move_with_the_load_fails_loop_invariant(server, capsys):
+    """LOOP-INVARIANT-1 compares every logprob bitwise where the server returns them: the
+    same text with logprobs one bit apart under load is a fail naming the token; the
+    server as it is passes, saying it compared the logprobs."""
+    name = "a seeded answer does not depend on the load"
+    code, report = run_check(server, capsys, "--only", name)
+    (result,) = report["checks"]
+    assert result["outcome"] == "pass" and "logprobs bitwise" in result["detail"], result
+    server.state["edit"] = logprobs_move_with_load
+    try:
+        code, report = run_check(server, capsys, "--only", name)
+    finally:
+        server.state["edit"] = None
+    (result,) = report["checks"]
+    assert result["outcome"] == "fail", result["detail"]
+    assert "the same text, but token 0 (" in result["detail"] and "under load" in result["detail"]
+    assert result["evidence"] and code == 1
 
 
 @pytest.mark.parametrize(("name", "mutate"), BROKEN, ids=[f"{n}-{m.__name__}" for n, m in BROKEN])

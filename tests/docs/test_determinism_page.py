@@ -9,9 +9,9 @@ from docs.tools import determinism
 PAGE = (determinism.ROOT / "docs" / "determinism.md").read_text()
 
 
-def run(server: str, bitwise: int, cost: dict | None = None) -> dict:
+def run(server: str, bitwise: int) -> dict:
     phase = {"requests": 16, "same_tokens": 16, "bitwise": bitwise, "max_logprob_difference": 0}
-    return {"server": server, "command": "cmd", "phases": {"together": phase}, "cost": cost}
+    return {"server": server, "command": "cmd", "phases": {"together": phase}}
 
 
 def test_the_page_has_both_markers_and_the_hook_fills_them():
@@ -21,27 +21,43 @@ def test_the_page_has_both_markers_and_the_hook_fills_them():
 
 
 def test_each_committed_run_is_a_row_per_phase(tmp_path):
+    (tmp_path / determinism.FILES[0]).write_text(json.dumps(run("ours", 16)))
+    (tmp_path / determinism.FILES[2]).write_text(json.dumps(run("llama-server", 3)))
+    filled = determinism.fill(PAGE, tmp_path)
+    assert "| `ours` | together | 16/16 | 16/16 | 0 |" in filled
+    assert "| `llama-server` | together | 16/16 | 3/16 | 0 |" in filled
+    assert filled.index("`ours`") < filled.index("`llama-server`")
+
+
+def test_the_cost_table_has_before_and_after_per_format_and_measure(tmp_path):
+    side = {"decode, 1 stream (tokens/s)": 80.0, "prefill, 500 tokens (s)": 1.0}
     cost = {
-        "weights": "float32",
-        "tokens_per_s": {
-            "1 streams": 10.0,
-            "1 streams, batch-invariant": 5.0,
-            "16 streams": 60.0,
-            "16 streams, batch-invariant": 45.0,
+        "machine": "AMD EPYC",
+        "rounds": 3,
+        "before": "aaa",
+        "after": "bbb",
+        "formats": {
+            "auto": {
+                "before": side,
+                "after": {"decode, 1 stream (tokens/s)": 76.0, "prefill, 500 tokens (s)": 1.25},
+                "after_relative": {
+                    "decode, 1 stream (tokens/s)": 0.95,
+                    "prefill, 500 tokens (s)": 0.8,
+                },
+            }
         },
     }
-    (tmp_path / determinism.FILES[0]).write_text(json.dumps(run("ours", 3, cost)))
-    (tmp_path / determinism.FILES[1]).write_text(json.dumps(run("ours, invariant", 16)))
+    (tmp_path / determinism.COST_FILE).write_text(json.dumps(cost))
     filled = determinism.fill(PAGE, tmp_path)
-    assert "| `ours` | together | 16/16 | 3/16 | 0 |" in filled
-    assert "| `ours, invariant` | together | 16/16 | 16/16 | 0 |" in filled
-    assert "| float32 | 1 | 10.0 | 5.0 | 0.50x |" in filled
-    assert "| float32 | 16 | 60.0 | 45.0 | 0.75x |" in filled
+    assert "| int4 (the file's) | decode, 1 stream (tokens/s) | 80.00 | 76.00 | 0.95x |" in filled
+    assert "| int4 (the file's) | prefill, 500 tokens (s) | 1.00 | 1.25 | 0.80x |" in filled
+    assert "*AMD EPYC; medians of 3 interleaved rounds" in filled
 
 
 def test_without_results_the_page_says_how_to_measure(tmp_path):
     filled = determinism.fill(PAGE, tmp_path)
     assert "Not measured yet: run `make bench-determinism`" in filled
+    assert "Not measured yet: run `make bench-invariance`" in filled
 
 
 def test_the_invariance_matrix_has_ours_first_and_each_peer_that_ran(tmp_path):

@@ -130,3 +130,4 @@ def test_the_default_engine_runs_float32_weights_on_its_native_step():
     assert engine.runner.native is not None and engine.batch_invariant
     assert engine.token_budget == engine.runner.native.max_tokens
     assert "float32 (C, one order a row" in engine.path and "native step (C" in engine.path
+    assert "batch-invariant by construction" in engine.path

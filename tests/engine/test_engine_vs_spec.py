@@ -8,10 +8,16 @@ drafter, the triton backend (interpreter, small shapes). Each request's
 tokens, text, finish reason and logprobs must be those of
 `decodespec.spec.generate.generate` run on it alone.
 
-A CPU matmul is not batch-invariant: a batched pass may change a logit in its
-last bits. Where that can change a token, the test decides it explicitly:
-the spec's loop runs teacher-forced (`ForcedChoice`), and at a step where
-the engine's token differs from the spec's, the engine's token is accepted
+The default engine (the torch backend) is batch-invariant by construction
+(LOOP-INVARIANT-1): against the loop with its own forward pass and stage
+functions it is compared bit for bit, every token and logprob, with no
+tolerance (`test_the_default_engine_is_the_spec_loop_bit_for_bit` below).
+
+Against the spec's own forward pass, a CPU matmul is not batch-invariant: a
+batched pass may change a logit in its last bits. Where that can change a
+token, the test decides it explicitly: the spec's loop runs teacher-forced
+(`ForcedChoice`), and at a step where the engine's token differs from the
+spec's, the engine's token is accepted
 only if the spec's own `sample` picks it from logits moved by at most
 `NEAR_TIE` toward it (the most favourable move: that token up, every other
 down). Nothing else is loosened; the number of such steps is small and is
@@ -279,6 +285,48 @@ def test_preempted_and_recomputed_requests_are_each_the_spec_loop(workload, seed
     event(f"preemptions > 0: {preempted > 0}")
     assert all(engine.output(i).finish_reason in ("stop", "length") for i in ids.values())
     check_all(engine, weights, ids, events)
+
+
+@pytest.mark.clause("LOOP-INVARIANT-1")
+@settings(max_examples=25)
+@given(
+    workload=workloads(),
+    seed=st.integers(0, 50),
+    block_size=st.sampled_from((1, 2, 4, 16)),
+    token_budget=TOKEN_BUDGETS,
+    spare_blocks=st.sampled_from((0, 2, None)),
+)
+def test_the_default_engine_is_the_spec_loop_bit_for_bit(
+    workload, seed, block_size, token_budget, spare_blocks
+):
+    """LOOP-INVARIANT-1 with no tolerance: the default engine (the torch backend's
+    native step on every pass, its one-thread sampling stages), running requests that
+    join and leave, in chunks of a small token budget, preempted and recomputed in a
+    cache barely larger than the largest request, gives each request every token,
+    text, finish reason and logprob of the spec loop on it alone with the engine's
+    forward pass (`hidden_states`) and stage functions: bitwise, no near tie."""
+    weights = small_model(seed)
+    cache_tokens = 16_384
+    if spare_blocks is not None:
+        largest = max(len(p) + (params.max_tokens or 0) - 1 for p, params, _ in workload)
+        cache_tokens = (-(-largest // block_size) + spare_blocks) * block_size
+    engine = Engine(weights, ByteTokenizer(), backend="torch", block_size=block_size,
+                    cache_tokens=cache_tokens, token_budget=token_budget)  # fmt: skip
+    assert engine.runner.native is not None and engine.batch_invariant
+    ids, events = run_workload(engine, workload)
+    backend, tokenizer = engine.backend, engine.tokenizer
+    for request_id in ids.values():
+        request = engine.requests[request_id]
+        loop = generate(
+            engine.weights, request.prompt_ids, request.params,
+            eos_token_ids=tokenizer.eos_token_ids, token_bytes=tokenizer.token_bytes,
+            block_size=block_size, hidden_states=engine.runner.native, sample=backend.sample,
+            process_logits=backend.process_logits, compute_logprobs=backend.compute_logprobs,
+        )  # fmt: skip
+        expected = [(s.token_id, s.text, s.finish_reason, s.logprobs) for s in loop]
+        got = [(e.token_id, e.text, e.finish_reason, e.logprobs) for e in events[request_id]]
+        assert got == expected, f"prompt {request.prompt_ids}, {request.params}"
+    event(f"preemptions > 0: {sum(engine.requests[i].preemptions for i in ids.values()) > 0}")
 
 
 @pytest.mark.clause("LOOP-STOP-1")

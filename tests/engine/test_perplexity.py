@@ -53,7 +53,9 @@ def test_float32_against_itself_is_perfect_and_its_perplexity_is_the_forward_s(s
         losses += [-float(log_probs[t, window[t + 1]]) for t in range(15, 31)]
     (score,) = result["formats"]
     assert result["windows"] == 6 and score["scored_tokens"] == 6 * 16 == len(losses)
-    assert score["perplexity"] == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-9)
+    # the engine's float32 product (C, `cpu_linear.DenseLinear`) sums in another order
+    # than the spec's GEMM: the same perplexity to float32's rounding (8e-8 measured)
+    assert score["perplexity"] == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-6)
     assert score["kl_mean"] == score["kl_max"] == 0.0
     assert score["top1_agreement"] == 1.0
 
