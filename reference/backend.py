@@ -7,8 +7,8 @@ one for all; a backend is the table of functions it calls:
 - `spec`: the spec's functions, the definition itself;
 - `torch`: the spec's functions, but attention batched across sequences
   (`batched_attention`), projections on the C products (`cpu_linear`), every
-  pass in C between them (`native_step`), and the sampling stages on one
-  thread (`one_thread`): the fast choice on a CPU, the commands' default, and a
+  pass in C between them (`native_step`), and a lone row's sampling stages on
+  one thread (`lone_row_on_one_thread`): the fast choice on a CPU, the commands' default, and a
   request's bits its own whatever the batch;
 - `triton`: the kernels (the Triton interpreter without a GPU), quantized
   projections included (`KernelLinear`).
@@ -100,28 +100,31 @@ class KernelLinear:
 T = TypeVar("T")
 
 
-def one_thread(stage: Callable[..., T]) -> Callable[..., T]:
-    """`stage` run on one intra-op thread: a row's sums then never split across threads.
+def lone_row_on_one_thread(stage: Callable[..., T]) -> Callable[..., T]:
+    """`stage` (whose first argument's rows are the batch) with a batch of one row run
+    on one intra-op thread: a row's sums then never split across threads.
 
-    PyTorch reduces a `[rows, vocab]` tensor's rows in parallel when it has enough
-    rows, and splits the one row of a `[1, vocab]` tensor between the threads
-    otherwise, in another order: a request's logprobs alone then differed in their
-    last bits from the same row beside others (9.5e-7, issue 60). On one thread
-    every row is reduced by the same loop, whatever the batch. The sampling stages
-    are a small part of a step's time."""
+    PyTorch reduces the rows of a `[rows, vocab]` tensor one thread each, every row
+    by the loop one thread runs, but splits the one row of a `[1, vocab]` tensor
+    between its threads, in another order: a request's logprobs alone differed in
+    their last bits from the same row beside others (9.5e-7, issue 60). On one
+    thread a lone row is reduced by that same loop. Only a lone row: a batch keeps
+    its threads (all on one thread, 16 streams served 0.66x as fast: sampling there
+    is most of a step). `tests/engine/test_batch_invariance.py` checks every stage,
+    a row alone against batches of 2 to 16, on 2 and 3 threads."""
 
     @functools.wraps(stage)
-    def on_one_thread(*args: object, **kwargs: object) -> T:
+    def run(rows: Tensor, *args: object, **kwargs: object) -> T:
         threads = torch.get_num_threads()
-        if threads == 1:
-            return stage(*args, **kwargs)
+        if threads == 1 or rows.shape[0] != 1:
+            return stage(rows, *args, **kwargs)
         torch.set_num_threads(1)
         try:
-            return stage(*args, **kwargs)
+            return stage(rows, *args, **kwargs)
         finally:
             torch.set_num_threads(threads)
 
-    return on_one_thread
+    return run
 
 
 def prepare_for_torch(weights: ModelWeights) -> ModelWeights:
@@ -146,10 +149,10 @@ TORCH_BACKEND = replace(
     name="torch",
     paged_attention=batched_attention.paged_attention,
     append_kv=batched_attention.append_kv,
-    sample=one_thread(sampling.sample),
-    process_logits=one_thread(sampling.process_logits),
-    compute_logprobs=one_thread(sampling.compute_logprobs),
-    verify_drafts=one_thread(speculative.verify_drafts),
+    sample=lone_row_on_one_thread(sampling.sample),
+    process_logits=lone_row_on_one_thread(sampling.process_logits),
+    compute_logprobs=lone_row_on_one_thread(sampling.compute_logprobs),
+    verify_drafts=lone_row_on_one_thread(speculative.verify_drafts),
     prepare_weights=prepare_for_torch,
     native_step=native_step.native_step,
 )

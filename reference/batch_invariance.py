@@ -4,9 +4,9 @@ The default engine (the torch backend on the CPU, with the C library) needs no
 mode: every pass runs its native step, which computes each row alone in C (its
 products, QUANT-A8-1's or `native_dense.c`'s, sum each row in one order fixed by
 the weight's shape; its attention each (row, head) alone), and its sampling
-stages run on one thread (`backend.one_thread`): a seeded request's bits are its
-own whatever the batch (LOOP-INVARIANT-1). `Engine(batch_invariant=True)` there
-changes nothing.
+stages run a lone row on one thread (`backend.lone_row_on_one_thread`): a seeded
+request's bits are its own whatever the batch (LOOP-INVARIANT-1).
+`Engine(batch_invariant=True)` there changes nothing.
 
 Elsewhere (the spec and triton backends, bfloat16 weights, no C library) a
 request's tokens and logprobs can depend on what else the engine is running
@@ -40,7 +40,8 @@ the length of each row's sums. The mode fixes each, where the machine allows:
   which computes each (row, head) alone in one order; elsewhere the spec's
   (`spec.attention.paged_attention`), one row at a time;
 - the sampling stages (processors, sampling, logprobs, verification) run on one
-  thread (`one_thread`): PyTorch splits a lone row's sums between threads;
+  thread when it is alone (`lone_row_on_one_thread`): PyTorch splits a lone
+  row's sums between threads;
 - no native step (there is none where the mode applies): every pass takes the
   same PyTorch path;
 - on the triton backend, quantized projections by the spec's definition, not the
@@ -68,7 +69,7 @@ from decodespec.spec.forward import ModelWeights, Weight
 from decodespec.spec.quant import QuantizedWeight
 
 from . import cpu_linear, native_attention, native_library
-from .backend import SPEC_BACKEND, Backend, one_thread
+from .backend import SPEC_BACKEND, Backend, lone_row_on_one_thread
 from .native_library import NativeUnavailable
 from .weight_formats import describe
 
@@ -234,10 +235,10 @@ def batch_invariant_backend(backend: Backend) -> Backend:
         prepare_weights=prepare,
         paged_attention=rows_alone,
         append_kv=append.append_kv,
-        sample=one_thread(backend.sample),
-        process_logits=one_thread(backend.process_logits),
-        compute_logprobs=one_thread(backend.compute_logprobs),
-        verify_drafts=one_thread(backend.verify_drafts),
+        sample=lone_row_on_one_thread(backend.sample),
+        process_logits=lone_row_on_one_thread(backend.process_logits),
+        compute_logprobs=lone_row_on_one_thread(backend.compute_logprobs),
+        verify_drafts=lone_row_on_one_thread(backend.verify_drafts),
         native_step=lambda weights: None,
         kernel_ops=tuple(
             op

@@ -39,8 +39,8 @@ from decodespec.reference.batch_invariance import (
     RowBlockLinear,
     batch_invariant_backend,
     checked_rows,
+    lone_row_on_one_thread,
     measure_rows,
-    one_thread,
     premise_failures,
     row_blocked,
     row_invariance,
@@ -50,7 +50,7 @@ from decodespec.reference.engine import Engine
 from decodespec.reference.weight_formats import convert_weights, describe
 from decodespec.spec import sampling
 from decodespec.spec.generate import generate
-from decodespec.spec.params import SamplingParams
+from decodespec.spec.params import SamplingParams, sampling_tensors
 from decodespec.spec.quant import quantize_weight
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 
@@ -380,9 +380,9 @@ def test_a_request_in_a_batch_is_the_spec_loop_bit_for_bit(models, fmt, backend)
             PARAMS,
             eos_token_ids=tokenizer.eos_token_ids,
             token_bytes=tokenizer.token_bytes,
-            sample=one_thread(sampling.sample),
-            process_logits=one_thread(sampling.process_logits),
-            compute_logprobs=one_thread(sampling.compute_logprobs),
+            sample=lone_row_on_one_thread(sampling.sample),
+            process_logits=lone_row_on_one_thread(sampling.process_logits),
+            compute_logprobs=lone_row_on_one_thread(sampling.compute_logprobs),
             **forward,
         )
     )
@@ -411,18 +411,55 @@ def test_the_triton_backend_keeps_quantized_rows_off_the_row_count_dependent_ker
     assert bits(together) == alone
 
 
-def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch():
-    """PyTorch splits the sums of a lone `[1, vocab]` row between its threads: the
-    torch backend runs the sampling stages on one thread, so a request's logprobs
-    alone equal its logprobs beside another request (a vocabulary as wide as the
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_sampling_stages_give_a_lone_row_the_bits_it_has_in_a_batch(threads):
+    """PyTorch splits the sums of a lone `[1, vocab]` row between its threads, and reduces
+    each row of a batch on one thread: the torch backend runs a lone row's stages on one
+    thread (`lone_row_on_one_thread`), so each row's processed logits, draw and logprobs
+    alone equal its own among 2, 3 or 16 rows of other parameters (every processor and
+    filter, greedy and sampled), on 2 and 3 threads (a vocabulary as wide as the
     bundled model's: narrow rows are never split)."""
-    backend = get_backend("torch")
-    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 4
-    tokens = torch.tensor([7, 9])
-    alone = backend.compute_logprobs(logits[1:], tokens[1:], 5)
-    batch = backend.compute_logprobs(logits, tokens, 5)
-    assert torch.equal(alone.top_logprobs[0], batch.top_logprobs[1])
-    assert torch.equal(alone.token_logprobs[0], batch.token_logprobs[1])
+    backend, vocab = get_backend("torch"), 49152
+    kinds = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=2),
+        SamplingParams(
+            temperature=1.2,
+            min_p=0.05,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=-0.5,
+            seed=3,
+        ),
+        SamplingParams(temperature=0.0, logit_bias={5: 3.0}),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(16)]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, vocab, generator=g) * 4
+    tokens = torch.randint(0, vocab, (16,), generator=g)
+
+    def stages(rows: list[int]) -> tuple:
+        tensors = sampling_tensors(
+            [params[r] for r in rows], vocab_size=vocab,
+            prompt_token_ids=[[r, 7, 11] for r in rows], output_token_ids=[[3] * r for r in rows],
+        )  # fmt: skip
+        processors = {k: v for k, v in tensors.items() if k != "seed"}
+        lp = backend.compute_logprobs(logits[rows], tokens[rows], 5)
+        return (backend.process_logits(logits[rows], **processors),
+                backend.sample(logits[rows], **tensors),
+                lp.token_logprobs, lp.ranks, lp.top_token_ids, lp.top_logprobs)  # fmt: skip
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for batch in (2, 3, 16):
+            together = stages(list(range(batch)))
+            for r in range(batch):
+                alone = stages([r])
+                for a, b in zip(alone, together, strict=True):
+                    assert torch.equal(a[0], b[r]), (threads, batch, r)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.clause("LOOP-PREFIX-1", "LOOP-INVARIANT-1")

@@ -88,7 +88,7 @@ def test_chunks_respect_the_score_budget(monkeypatch):
 
 def test_the_torch_backend_is_the_spec_with_batched_attention():
     """Its attention and append batched; its sampling stages the spec's, on one thread
-    (`one_thread`: `__wrapped__` is the spec's function)."""
+    (`lone_row_on_one_thread`: `__wrapped__` is the spec's function)."""
     backend = get_backend("torch")
     assert backend.paged_attention is batched_attention.paged_attention
     assert backend.append_kv is batched_attention.append_kv
