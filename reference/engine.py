@@ -174,7 +174,7 @@ class Engine:
         prepared = self.backend.prepare_weights(weights)
         native = None if naive else self.backend.native_step(prepared)
         # With the native step every pass computes each row alone, in one order (its
-        # products, norms, attention; the sampling stages on one thread): a request's
+        # products, norms, attention; a lone row's sampling stages on one thread): a request's
         # bits are its own whatever the batch, by construction. Elsewhere the mode's
         # stages give it where the machine's GEMM allows (batch_invariance).
         self.batch_invariant = native is not None or batch_invariant
@@ -246,8 +246,6 @@ class Engine:
             parts.append(native.description)
         elif self.backend.name == "torch":  # the backend that has one: why it is off
             why = native_step.status(self.weights).removeprefix("off: ")
-            if self.batch_invariant:
-                why = "batch-invariant mode"
             parts.append(f"native step off ({why})")
         if native is not None:
             parts.append("batch-invariant by construction")

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from decodespec.reference import native_library
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("spec", "kernels", "reference")
 
@@ -115,10 +117,9 @@ def test_the_wheel_holds_only_the_decodespec_namespace(installed):
     assert "decodespec = decodespec.reference.__main__:main" in text
     # the server's viewer page is package data: `decodespec serve` answers GET / with it
     assert "decodespec/reference/static/viewer.html" in files
-    # the torch backend compiles its C sources at first use
-    assert "decodespec/reference/native_step.c" in files
-    assert "decodespec/reference/native_attention.c" in files
-    assert "decodespec/reference/native_quantized.c" in files
+    # the torch backend compiles its C sources at first use: every one of them
+    for source in native_library.SOURCES:
+        assert f"decodespec/reference/{source.name}" in files
 
 
 def test_installed_native_step_builds_from_its_package_data(installed, tmp_path):

@@ -120,7 +120,7 @@ ENGINE_LAYERS = {
     "request": {"block_allocator", "logits_state", "request_options"},
     "block_manager": {"block_allocator", "request"},
     "sampler": {"backend", "logits_state", "request"},
-    "runner": {"backend", "cache", "request", "sampler"},
+    "runner": {"backend", "cache", "native_step", "request", "sampler"},  # the step it runs
     "drafters": {"backend", "cache", "logits_state", "request", "sampler"},
     "scheduler": {"block_manager", "request"},
 }
