@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from decodespec.spec.forward import ModelWeights, forward_cached
+from decodespec.spec.forward import ModelWeights, project_logits
 from decodespec.spec.rng import uniform
 from decodespec.spec.sampling import greedy
 from decodespec.spec.token_mask import bitmask_words
@@ -39,6 +39,7 @@ from decodespec.spec.token_mask import bitmask_words
 from .backend import Backend
 from .cache import PagedKVCache
 from .logits_state import GrammarWalk
+from .native_step import NativeStep, hidden_states
 from .request import Draft, Request
 from .sampler import Sampler
 
@@ -136,8 +137,12 @@ class ModelDrafter:
         shares_target_cache: bool,
         attention: Callable[..., Tensor],
         append: Callable[..., None],
+        native: Callable[[ModelWeights], NativeStep | None] = lambda weights: None,
     ) -> None:
         self.weights = weights
+        # The backend's native step for these weights where it has one (the target's
+        # passes run on it too): a draft row's bits are then its own, whatever the batch.
+        self.native = native(weights)
         self.kv_cache = kv_cache
         self.cache = cache
         self.sampler = sampler  # the target's: drafts follow each request's parameters
@@ -222,7 +227,8 @@ class ModelDrafter:
             token_ids, paged = self.cache.paged_batch(
                 [r.blocks for r in batch], starts, new, [1] * len(batch), self.weights.device
             )
-            logits = forward_cached(
+            hidden = hidden_states(
+                self.native,
                 self.weights,
                 token_ids,
                 paged,
@@ -230,6 +236,7 @@ class ModelDrafter:
                 attention=self.attention,
                 append=self.append,
             )
+            logits = project_logits(hidden[paged.logits_indices], self.weights.output)
             bitmask = None
             if any(walks[i] is not None for i in live):
                 bitmask = torch.full((len(live), words), -1, dtype=torch.int32)
@@ -278,7 +285,8 @@ def make_drafter(
         raise TypeError(f"speculate must be a string or None, got {speculate!r}")
     if cache is None:
         raise ValueError("speculative decoding needs the KV cache: it cannot run with naive=True")
-    ops = {"attention": backend.paged_attention, "append": backend.append_kv}
+    ops = {"attention": backend.paged_attention, "append": backend.append_kv,
+           "native": backend.native_step}  # fmt: skip
     if speculate == "ngram":
         return NgramDrafter()
     if speculate.startswith("layers:"):

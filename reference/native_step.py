@@ -51,6 +51,8 @@ line on stderr and runs the PyTorch path;
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -59,6 +61,7 @@ from decodespec.spec.attention import check_attention_args
 from decodespec.spec.forward import (
     ModelWeights,
     PagedBatch,
+    cached_hidden_states,
     check_tokens,
     rms_norm,
     rope_angles,
@@ -230,3 +233,24 @@ def native_step(weights: ModelWeights) -> NativeStep | None:
     except NativeUnavailable:
         return None
     return None if unsupported(weights) is not None else NativeStep(weights)
+
+
+def hidden_states(
+    step: NativeStep | None,
+    weights: ModelWeights,
+    token_ids: Tensor,
+    batch: PagedBatch,
+    kv_cache: list[tuple[Tensor, Tensor]],
+    *,
+    attention: Callable[..., Tensor],
+    append: Callable[..., None],
+) -> Tensor:
+    """`spec.forward.cached_hidden_states` of a pass: on `step` (the native step for
+    `weights`) where it takes the pass (up to its `max_tokens` tokens), otherwise the
+    spec's decoder with the backend's `attention` and `append`. The target's passes
+    and a model drafter's go through here, so both compute a row the same way."""
+    if step is not None and token_ids.shape[0] <= step.max_tokens:
+        return step(token_ids, batch, kv_cache)
+    return cached_hidden_states(
+        weights, token_ids, batch, kv_cache, attention=attention, append=append
+    )

@@ -30,7 +30,6 @@ from torch import Tensor
 from decodespec.spec.forward import (
     ModelWeights,
     PagedBatch,
-    cached_hidden_states,
     forward_naive,
     naive_hidden_states,
     project_logits,
@@ -39,7 +38,7 @@ from decodespec.spec.generate import TokenLogprobs
 
 from .backend import Backend
 from .cache import PagedKVCache
-from .native_step import NativeStep
+from .native_step import NativeStep, hidden_states
 from .request import Draft, PassOutcome, Request
 from .sampler import Sampler
 
@@ -145,9 +144,8 @@ class PagedModelRunner(ModelRunner):
     def hidden_states(self, token_ids: Tensor, paged: PagedBatch) -> Tensor:
         """`cached_hidden_states` of the packed tokens: the backend's native step for
         the passes it takes, the spec's decoder with the backend's stages otherwise."""
-        if self.native is not None and token_ids.shape[0] <= self.native.max_tokens:
-            return self.native(token_ids, paged, self.cache.layers)
-        return cached_hidden_states(
+        return hidden_states(
+            self.native,
             self.weights,
             token_ids,
             paged,

@@ -28,9 +28,13 @@ from decodespec.spec.params import SamplingTensors, sampling_tensors
 from decodespec.spec.softmax import softmax
 from decodespec.spec.token_mask import bitmask_words, removed_tokens
 
-from .backend import Backend
+from .backend import Backend, lone_row_on_one_thread
 from .logits_state import LogitsState, row_outputs
 from .request import Draft, PassOutcome
+
+# The distributions speculative decoding compares: a lone row's softmax on one thread,
+# as the backend's stages (a draft's or target's row then has its bits whatever the batch).
+distribution_of = lone_row_on_one_thread(softmax)
 
 MODEL_INVALID = "the model produced NaN or infinite logits"
 PROCESSORS_INVALID = (
@@ -157,7 +161,7 @@ class Sampler:
         part = [j for j in range(len(at)) if not greedy[j]]
         if part:
             processed, why = rows.processed([at[j] for j in part])
-            probs[part] = softmax(processed).to(probs.dtype)
+            probs[part] = distribution_of(processed).to(probs.dtype)
             for j, reason in zip(part, why, strict=True):
                 reasons[j] = reason
         probs[[j for j, reason in enumerate(reasons) if reason is not None]] = 0

@@ -121,7 +121,7 @@ ENGINE_LAYERS = {
     "block_manager": {"block_allocator", "request"},
     "sampler": {"backend", "logits_state", "request"},
     "runner": {"backend", "cache", "native_step", "request", "sampler"},  # the step it runs
-    "drafters": {"backend", "cache", "logits_state", "request", "sampler"},
+    "drafters": {"backend", "cache", "logits_state", "native_step", "request", "sampler"},
     "scheduler": {"block_manager", "request"},
 }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from dataclasses import replace
 
 import pytest
 import torch
@@ -347,6 +348,45 @@ def test_a_cached_prefix_a_token_budget_and_speculation_change_no_bit(models, fm
     speculating = run(engine(speculate="ngram", num_draft=3), [prompt], params=greedy)[0]
     assert speculating.draft_tokens > 0
     assert bits(speculating) == bits(plain)
+
+
+@pytest.mark.clause("LOOP-INVARIANT-1")
+@pytest.mark.parametrize("speculate", ["layers:1", "model"])
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+def test_a_model_drafters_drafts_and_a_sampled_requests_bits_are_its_own(models, fmt, speculate):
+    """A model drafter runs on the default engine's native step (as the target does)
+    and compares softmaxes of a lone row on one thread: every draft of a sampled request
+    (its tokens and the bits of its distributions) and every output bit are the same
+    alone as beside requests that join at other steps."""
+    draft = convert_weights(random_weights(replace(CONFIG, num_layers=1, hidden_size=128,
+                                                   intermediate_size=256), seed=9), fmt)
+
+    def engine() -> tuple[Engine, list]:
+        e = invariant_engine(weights=models[fmt], backend="torch", speculate=speculate,
+                             num_draft=3, draft_model=draft if speculate == "model" else None)
+        assert e.drafter.native is not None
+        drafts, propose = [], e.drafter.propose
+
+        def recording(requests, counts):
+            proposed = propose(requests, counts)
+            drafts.extend((d.tokens, d.probs) for r, d in zip(requests, proposed, strict=True)
+                          if r.prompt_ids == REQUEST)
+            return proposed
+
+        e.drafter.propose = recording
+        return e, drafts
+
+    e, drafts_alone = engine()
+    alone = run(e, [REQUEST])[0]
+    assert alone.draft_tokens > 0
+    e, drafts_together = engine()
+    others = [list(b"abcdefghijklmnopqrstuvwxyz" * 8)[:n] for n in (9, 180)]
+    together = run(e, [others[0], REQUEST, others[1]], joins=[0, 1, 2])[1]
+    assert [t for t, _ in drafts_together] == [t for t, _ in drafts_alone]
+    for (_, p_alone), (_, p_together) in zip(drafts_alone, drafts_together, strict=True):
+        assert (p_alone is None) == (p_together is None)
+        assert p_alone is None or torch.equal(p_alone, p_together)
+    assert bits(together) == bits(alone)
 
 
 @pytest.mark.clause("LOOP-INVARIANT-1")
