@@ -138,9 +138,12 @@ bench-determinism: $(STAMP)
 
 # What batch invariance by construction costs: this checkout's engine against the
 # revision before it, side by side, decode / prefill / 1-4-16 streams, int4 and float32
-# (results/invariance-cost-cpu.json; about ten minutes).
+# (results/invariance-cost-cpu.json; about ten minutes); then what the batch-invariant
+# mode would cost where the engine is not invariant by construction, the spec backend
+# and bfloat16, off against on (results/invariance-mode-cost-cpu.json; about fifteen).
 bench-invariance: $(STAMP)
 	$(PY) -m tests.benchmarks.invariance_cost
+	$(PY) -m tests.benchmarks.invariance_cost --mode
 
 # CPU benchmark of prefix caching: the time to first token of questions after a system
 # prompt of 512, 1,024 and 2,048 tokens, cache on and off (about six minutes):
