@@ -421,6 +421,11 @@ def test_versus_llama_benchmark_smoke(tmp_path):
             assert is_finite_number(report[stage][key]) and report[stage][key] > 0, (stage, key)
         for key in ("decodespec_tokens_per_s", "llama_cpp_tokens_per_s"):
             assert report[stage][f"{key}_best"] >= report[stage][key], (stage, key)
+    bound = report["memory_bound"]
+    assert is_finite_number(bound["read_GBps"]) and bound["read_GBps"] > 0
+    for name in ("decodespec", "llama.cpp"):  # the bundled model reads about 100 MB a token
+        assert 60e6 < bound[name]["bytes_per_token"] < 160e6, bound
+        assert is_finite_number(bound[name]["fraction_of_bound"]), bound
     server = report["decodespec"]["server"]
     assert any(line.startswith("serving ") for line in server["stderr"]), server["stderr"]
     assert server["check"]["usage"]["completion_tokens"] == report["serving"]["max_tokens"]

@@ -334,6 +334,19 @@ def versus_llama_section(report: dict | None) -> str:
             ratio_cell(prefill["ratio"]),
         ],
     ]
+    bound = report.get("memory_bound")
+    if bound:  # decode over the bytes a token reads at the measured read bandwidth
+        rows.append(
+            [
+                f"decode, share of the memory bound ({bound['read_GBps']} GB/s read)",
+                *(
+                    f"{bound[name]['fraction_of_bound']:.0%} of "
+                    f"{bound[name]['bound_tokens_per_s']:.0f} tok/s"
+                    for name in ("decodespec", "llama.cpp")
+                ),
+                "",
+            ]
+        )
     latency = []
     for level in serving["levels"]:
         theirs = level["llama-server"]

@@ -47,6 +47,14 @@ report records the CPU, the options and llama.cpp's own system line (about 10 mi
 cores, 40 on a busy machine; once). `--build-only` stops there;
 `--skip-llama-server` neither builds nor runs it.
 
+The memory bound (issue 61): a decode step reads every weight once, so one stream
+cannot beat the machine's read bandwidth over the bytes a token reads. The bench
+measures that bandwidth here (`read_bandwidth`: the median of passes of `torch.sum`
+over 512 MiB on `--threads` threads) and reports each side's decode as a fraction
+of its bound: ours from the engine's weights as laid out (`decode_bytes`: every
+projection once, the output projection, one embedding row), llama.cpp's from the
+GGUF file's tensors (the tied output projection read as the embedding's Q8_0 table).
+
 Targets (issue 41), reported and never fatal: decode >= 1.0x llama.cpp (the aim
 1.2x), prefill >= 1.0x, serving aggregate tokens/s at 4 and 16 streams >= 1.5x
 llama-server. `--smoke` runs every stage with a few tokens and one round (and
@@ -648,6 +656,8 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
     del weights
     decode_ids = prompt_ids(tokenizer)
     prefill_ids = prefill_prompt(tokenizer, args.prefill_tokens)
+    bytes_per_token = {"decodespec": decode_bytes(engine.weights),
+                       "llama.cpp": gguf_decode_bytes(path)}  # fmt: skip
     ours_info = {
         "serve_defaults": {
             "weights": defaults.weights,
@@ -691,6 +701,8 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
             llm.prefill(prefill_ids)
             for name, server in servers.items():
                 serve_run(server, models[name], max(CONCURRENCY), max(CONCURRENCY), 4)
+        bandwidth = read_bandwidth(args.threads)
+        log(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s on {args.threads} threads")
         for round_ in range(args.rounds):
             tag = f"round {round_ + 1}/{args.rounds}"
             rate, outputs["decodespec"] = ours_decode(engine, decode_ids, args.decode_tokens)
@@ -772,6 +784,9 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
     report["prefill"]["ratio"] = (
         report["prefill"]["decodespec_tokens_per_s"] / report["prefill"]["llama_cpp_tokens_per_s"]
     )
+    report["memory_bound"] = memory_bound(
+        report["decode"], bandwidth, bytes_per_token, args.threads
+    )
     levels = []
     for concurrency in CONCURRENCY:
         row: dict = {"concurrency": concurrency}
@@ -811,6 +826,72 @@ def measure(args: argparse.Namespace, binary: Path | None, log_dir: Path) -> dic
 
 
 # ---------------------------------------------------------------- report
+
+
+BANDWIDTH_BYTES = 1 << 29  # larger than any CPU's caches
+BANDWIDTH_PASSES = 9
+
+
+def read_bandwidth(threads: int) -> float:
+    """This machine's read bandwidth in bytes/s on `threads` threads: the median of
+    `BANDWIDTH_PASSES` sums of `BANDWIDTH_BYTES` of float32 (a read-only stream)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(BANDWIDTH_BYTES // 4)
+    data.sum()  # the pages touched, the threads started
+    times = []
+    for _ in range(BANDWIDTH_PASSES):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return BANDWIDTH_BYTES / statistics.median(times)
+
+
+def decode_bytes(weights) -> int:
+    """The bytes one decode step of `weights` (the engine's, as laid out) reads: every
+    projection once (a stacked Q/K/V or gate/up kernel once), the norms, the output
+    projection and one row of the embedding."""
+    from dataclasses import fields
+
+    kernels = {}
+    for layer in weights.layers:
+        for field in fields(layer):
+            value = getattr(layer, field.name)
+            if value is not None:
+                kernel = getattr(getattr(value, "shared", None), "kernel", value)
+                kernels[id(kernel)] = kernel.nbytes
+    row = weights.embedding[0]
+    return sum(kernels.values()) + weights.final_norm.nbytes + weights.output.nbytes + row.nbytes
+
+
+def gguf_decode_bytes(path: Path) -> int:
+    """The bytes llama.cpp's decode step reads from the GGUF at `path`: every tensor
+    once (the embedding's table whole: with no output tensor it is the output projection)."""
+    from decodespec.reference.gguf_file import open_gguf
+
+    return sum(tensor.nbytes for tensor in open_gguf(path).tensors)
+
+
+def memory_bound(
+    decode: dict, bandwidth: float, bytes_per_token: dict[str, int], threads: int
+) -> dict:
+    """Each side's median decode rate as a fraction of bandwidth / bytes per token."""
+    rates = {"decodespec": decode["decodespec_tokens_per_s"],
+             "llama.cpp": decode["llama_cpp_tokens_per_s"]}  # fmt: skip
+    return {
+        "read_GBps": round(bandwidth / 1e9, 2),
+        "measured_by": f"median of {BANDWIDTH_PASSES} passes of torch.sum over "
+        f"{BANDWIDTH_BYTES >> 20} MiB of float32 on {threads} threads",
+        **{
+            name: {
+                "bytes_per_token": bytes_per_token[name],
+                "bound_tokens_per_s": round(bandwidth / bytes_per_token[name], 1),
+                "fraction_of_bound": round(rate * bytes_per_token[name] / bandwidth, 3),
+            }
+            for name, rate in rates.items()
+        },
+    }
 
 
 def ratios(report: dict) -> dict:
@@ -891,6 +972,14 @@ def print_table(report: dict) -> None:
         f"{'prefill tok/s (' + str(prefill['prompt_tokens']) + ' tokens)':34} "
         f"{prefill['decodespec_tokens_per_s']:10.0f} {prefill['llama_cpp_tokens_per_s']:10.0f} "
         f"{prefill['ratio']:6.2f}x"
+    )
+    bound = report["memory_bound"]
+    print(
+        f"{'decode / memory bound':34} "
+        + " ".join(
+            f"{bound[name]['fraction_of_bound']:10.0%}" for name in ("decodespec", "llama.cpp")
+        )
+        + f"  (read {bound['read_GBps']} GB/s)"
     )
     for row in report["serving"]["levels"]:
         ours, theirs = row["decodespec"], row["llama-server"]
