@@ -30,6 +30,9 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("native_step.c", "native_attention.c", "native_quantized.c", "native_dense.c")
 )
+# Included by a source (once for each instruction set), not compiled alone; part of the
+# library's key all the same.
+HEADERS = (Path(__file__).with_name("native_quantized_loops.h"),)
 # Reassociation lets the compiler vectorize the dot products and sums (attention's,
 # the norm's): another order of float32 sums, as any kernel's.
 CFLAGS = ("-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno",
@@ -82,7 +85,7 @@ def _first_error(stderr: str) -> str:
 
 def library_path() -> Path:
     """Where the library of these sources, these flags and this compiler lives."""
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     key = hashlib.sha256(sources + " ".join((compiler(), *CFLAGS)).encode()).hexdigest()[:16]
     return cache_dir() / f"native-{key}.so"
 

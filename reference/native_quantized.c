@@ -44,27 +44,30 @@
 
 #define BLOCK 32 /* QUANT-A8-1's activations per scale */
 
-/* Whether the AVX2 loops run: the CPU has AVX2, FMA and F16C, and DECODESPEC_NATIVE_ISA is not
- * "scalar" (which the tests set to run the scalar loops of CPUs without them). */
-static int has_avx2(void) {
+/* Whether the CPU has AVX2, FMA and F16C. */
+static int cpu_avx2(void) {
 #if defined(__x86_64__)
-    static int known = -1;
-    if (known < 0) {
-        const char *isa = getenv("DECODESPEC_NATIVE_ISA");
-        known = !(isa && strcmp(isa, "scalar") == 0) && __builtin_cpu_supports("avx2") &&
-                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return known;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
 #else
     return 0;
 #endif
 }
 
+/* Whether the AVX2 loops of the attention and the float32 product run: the CPU has AVX2,
+ * and DECODESPEC_NATIVE_ISA is not "scalar" (which the tests set to run the scalar loops
+ * of CPUs without it). */
+static int has_avx2(void) {
+    static int known = -1;
+    if (known < 0) {
+        const char *isa = getenv("DECODESPEC_NATIVE_ISA");
+        known = !(isa && strcmp(isa, "scalar") == 0) && cpu_avx2();
+    }
+    return known;
+}
+
 /* Whether they run, for native_step.c's attention. */
 int native_avx2(void) { return has_avx2(); }
-
-/* Which inner loops run: "avx2" or "scalar" (the engine's path line names it). */
-const char *quantized_isa(void) { return has_avx2() ? "avx2" : "scalar"; }
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -513,19 +516,39 @@ __attribute__((always_inline)) static inline block_fields int8_block_fields(
     return (block_fields){scales, offsets};
 }
 
-/* The scalar form of an 8-bit weight (x codes in element order), its row's fields `f`. */
-static float int8_dot_scalar(const product_args *p, block_fields f, int64_t n, int64_t m) {
+/* The scalar form of an 8-bit weight (x codes in element order), its row's fields `f`:
+ * the AVX2 loops' steps lane by lane (`int8_row_avx2`), so that it gives their bits.
+ * Blocks go eight to a chunk, block b + j's exact sum in lane j: t_j = fma(s, ws · d, t_j)
+ * and o_j = fma(wo, d · sum(codes), o_j); a block past the last whole chunk goes in eight
+ * lanes of four products each, l: t_l = fma(s_l, ws · d, t_l), its offset term added to
+ * lane 0. Then lanes v_j = t_j + o_j, summed as ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 +
+ * v7)). Not reassociated (the library's flags allow it elsewhere): this order is the
+ * definition of these bits. */
+__attribute__((optimize("no-associative-math"))) static float int8_dot_scalar(
+    const product_args *p, block_fields f, int64_t n, int64_t m) {
     const int64_t blocks = p->k / BLOCK;
-    const int8_t *c = p->x_codes + m * p->k;
-    float total = 0.0f, offset = 0.0f;
-    for (int64_t b = 0; b < blocks; b++) {
-        int sum = 0;
-        for (int64_t e = b * BLOCK; e < (b + 1) * BLOCK; e++)
-            sum += ((const int8_t *)p->codes)[n * p->k + e] * c[e];
-        total += f.scales[b] * p->d[m * blocks + b] * (float)sum;
-        offset += f.offsets[b] * p->d_sum[m * blocks + b];
+    const int8_t *c = p->x_codes + m * p->k, *w = (const int8_t *)p->codes + n * p->k;
+    const float *d = p->d + m * blocks, *d_sum = p->d_sum + m * blocks;
+    float total[CHUNK] = {0}, offset[CHUNK] = {0};
+    int64_t b = 0;
+    for (; b + CHUNK <= blocks; b += CHUNK)
+        for (int j = 0; j < CHUNK; j++) {
+            int sum = 0;
+            for (int64_t e = (b + j) * BLOCK; e < (b + j + 1) * BLOCK; e++) sum += w[e] * c[e];
+            total[j] = fmaf((float)sum, f.scales[b + j] * d[b + j], total[j]);
+            offset[j] = fmaf(f.offsets[b + j], d_sum[b + j], offset[j]);
+        }
+    for (; b < blocks; b++) {
+        for (int l = 0; l < CHUNK; l++) {
+            int sum = 0;
+            for (int64_t e = b * BLOCK + 4 * l; e < b * BLOCK + 4 * l + 4; e++) sum += w[e] * c[e];
+            total[l] = fmaf((float)sum, f.scales[b] * d[b], total[l]);
+        }
+        offset[0] = offset[0] + f.offsets[b] * d_sum[b];
     }
-    return total + offset;
+    float v[CHUNK];
+    for (int j = 0; j < CHUNK; j++) v[j] = total[j] + offset[j];
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
 /* Units [begin, end) of the product: 4-bit tiles, or 8-bit rows. */
@@ -560,87 +583,6 @@ AVX2 __attribute__((always_inline)) static inline activations activation_row(
     return (activations){p->x_codes + m * p->k, p->d + m * blocks, p->d_sum + m * blocks};
 }
 
-/* Tile t against activation rows m to m + rows - 1 (1 to 4): a quarter's codes are loaded
- * and unpacked once for the rows. A block's 8 `maddubs` per row add up in int16 (|sum| <=
- * 8 · 2 · 15 · 127 < 2^15), widened by one `madd`; then each lane takes the steps of
- * `int4_dot_scalar` for its weight row. A lane's result never depends on the rows beside
- * it: the same bits in any batch, on any thread. */
-AVX2 __attribute__((always_inline)) static inline void int4_tile_avx2(const product_args *p,
-                                                                      int64_t t, int64_t m,
-                                                                      const int rows,
-                                                                      const int half) {
-    const int64_t blocks = p->k / BLOCK, block_bytes = tile_block_bytes(half);
-    const uint8_t *tile = p->codes + t * blocks * block_bytes;
-    const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    activations a[4];
-    __m256 total[4];
-    for (int i = 0; i < rows; i++) a[i] = activation_row(p, m + i), total[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = tile + b * block_bytes;
-        __m256i sums[4];
-        for (int i = 0; i < rows; i++) sums[i] = _mm256_setzero_si256();
-        for (int q = 0; q < 4; q++) {
-            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 32 * q));
-            const __m256i low = _mm256_and_si256(bytes, nibble);
-            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-            for (int i = 0; i < rows; i++) {
-                int32_t x_low, x_high; /* elements 4q .. 4q + 3 and 16 + 4q .. 19 + 4q */
-                memcpy(&x_low, a[i].c + b * BLOCK + 4 * q, 4);
-                memcpy(&x_high, a[i].c + b * BLOCK + 16 + 4 * q, 4);
-                sums[i] = _mm256_add_epi16(
-                    sums[i], _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(x_low)),
-                                              _mm256_maddubs_epi16(high, _mm256_set1_epi32(x_high))));
-                /* here, not later: GCC would otherwise compute the block's 32 products first
-                 * and add them as a tree, with more registers than AVX2 has */
-                __asm__("" : "+x"(sums[i]));
-            }
-        }
-        const uint8_t *scales = block + TILE_CODES;
-        const __m256 ws = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales))
-                               : _mm256_loadu_ps((const float *)scales);
-        const __m256 wo = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)scales + 1))
-                               : _mm256_loadu_ps((const float *)scales + TILE_ROWS);
-        for (int i = 0; i < rows; i++) {
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
-            total[i] = _mm256_fmadd_ps(s, _mm256_mul_ps(ws, _mm256_set1_ps(a[i].d[b])), total[i]);
-            total[i] = _mm256_fmadd_ps(wo, _mm256_set1_ps(a[i].d_sum[b]), total[i]);
-        }
-    }
-    const int64_t first = t * TILE_ROWS;
-    for (int i = 0; i < rows; i++) {
-        if (!p->y_bf16 && first + TILE_ROWS <= p->n_rows) {
-            _mm256_storeu_ps((float *)p->y + (m + i) * p->n_rows + first, total[i]);
-            continue;
-        }
-        float lanes[TILE_ROWS];
-        _mm256_storeu_ps(lanes, total[i]);
-        for (int r = 0; r < TILE_ROWS && first + r < p->n_rows; r++)
-            store(p, m + i, first + r, p->n_rows, lanes[r]);
-    }
-}
-
-/* Tiles [begin, end) against every activation row, four at a time. */
-AVX2 __attribute__((always_inline)) static inline void int4_tiles_of(const product_args *p,
-                                                                     int64_t begin, int64_t end,
-                                                                     const int half) {
-    for (int64_t t = begin; t < end; t++) {
-        int64_t m = 0;
-        for (; m + 4 <= p->m; m += 4) int4_tile_avx2(p, t, m, 4, half);
-        if (p->m - m == 3) int4_tile_avx2(p, t, m, 3, half);
-        if (p->m - m == 2) int4_tile_avx2(p, t, m, 2, half);
-        if (p->m - m == 1) int4_tile_avx2(p, t, m, 1, half);
-    }
-}
-
-AVX2 static void int4_tiles_avx2(const void *a, int64_t begin, int64_t end, int part) {
-    const product_args *p = a;
-    (void)part;
-    if (p->half)
-        int4_tiles_of(p, begin, end, 1);
-    else
-        int4_tiles_of(p, begin, end, 0);
-}
-
 /* An 8-bit weight block (32 codes) and its magnitudes: a batch loads them once for all
  * its rows. */
 typedef struct {
@@ -651,15 +593,6 @@ AVX2 __attribute__((always_inline)) static inline int8_block int8_weights(const 
                                                                            int64_t b) {
     const __m256i w = _mm256_loadu_si256((const __m256i *)(row + b * BLOCK));
     return (int8_block){w, _mm256_sign_epi8(w, w)};
-}
-
-/* An 8-bit block against its 32 activation codes x: 8 int32 lanes of its sums (`maddubs`
- * takes one unsigned operand: |w| times x with w's sign). */
-AVX2 __attribute__((always_inline)) static inline __m256i int8_block_sums(int8_block w,
-                                                                           const int8_t *x) {
-    const __m256i pairs = _mm256_maddubs_epi16(
-        w.magnitude, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w.codes));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
 /* Four 8-bit blocks' sums, lane j + 4h the sum of block j's half h. */
@@ -720,93 +653,89 @@ AVX2 __attribute__((always_inline)) static inline void finish_x4(const row_sums 
     _mm_storeu_ps(out, sums);
 }
 
-/* The AVX2 form of 8-bit weight row `row` (its block scales ws and offsets wo) times
- * activation row m. Each block's 32 products are summed exactly in integers, eight blocks
- * to a vector, converted and scaled in float32 lanes (`add_chunk`); the blocks past the
- * last whole chunk one at a time. Each pair of rows is computed alone, in one order
- * whatever the batch and the thread. */
-AVX2 __attribute__((always_inline)) static inline float int8_row_avx2(const product_args *p,
-                                                                      const uint8_t *row,
-                                                                      const float *ws,
-                                                                      const float *wo,
-                                                                      int64_t m) {
-    const int64_t blocks = p->k / BLOCK;
-    const activations a = activation_row(p, m);
-    row_sums r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    int64_t b = 0;
-    for (; b + CHUNK <= blocks; b += CHUNK) {
-        __m128i quads[2];
-        for (int quad = 0; quad < 2; quad++) {
-            __m256i s[4];
-            for (int j = 0; j < 4; j++) {
-                const int64_t block = b + 4 * quad + j;
-                s[j] = int8_block_sums(int8_weights(row, block), a.c + block * BLOCK);
-            }
-            quads[quad] = fold(int8_quad(s));
-        }
-        add_chunk(&r, _mm256_set_m128i(quads[1], quads[0]), ws, wo, a, b);
-    }
-    for (; b < blocks; b++)
-        add_block(&r, int8_block_sums(int8_weights(row, b), a.c + b * BLOCK), ws, wo, a, b);
-    return finish(r);
-}
+/* The loops, once for each instruction set (native_quantized_loops.h). AVX2: a 4-bit
+ * block's products gathered in int16, widened once. */
+#define LOOPS(name) name##_avx2
+#define LOOPS_TARGET AVX2
+#define INT4_ADD(sums, u, x) _mm256_add_epi16(sums, _mm256_maddubs_epi16(u, x))
+#define INT4_WIDE(sums) _mm256_madd_epi16(sums, _mm256_set1_epi16(1))
+#define INT8_DOT(u, x) _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))
+#include "native_quantized_loops.h"
 
-/* `int8_row_avx2` against activation rows m to m + 3 at once: each block's codes and
- * magnitudes are loaded once for the four; every result has the bits int8_row_avx2 gives
- * that row alone. */
-AVX2 static inline void int8_row_x4(const product_args *p, const uint8_t *row, const float *ws,
-                                    const float *wo, int64_t m, float out[4]) {
-    const int64_t blocks = p->k / BLOCK;
-    activations a[4];
-    row_sums r[4];
-    for (int i = 0; i < 4; i++) {
-        a[i] = activation_row(p, m + i);
-        r[i] = (row_sums){_mm256_setzero_ps(), _mm256_setzero_ps()};
-    }
-    int64_t b = 0;
-    for (; b + CHUNK <= blocks; b += CHUNK) {
-        __m128i quads[4][2]; /* [row][quad] */
-        for (int quad = 0; quad < 2; quad++) {
-            __m256i s[4][4]; /* [row][block] */
-            for (int j = 0; j < 4; j++) {
-                const int64_t block = b + 4 * quad + j;
-                const int8_block w = int8_weights(row, block);
-                for (int i = 0; i < 4; i++) s[i][j] = int8_block_sums(w, a[i].c + block * BLOCK);
-            }
-            for (int i = 0; i < 4; i++) quads[i][quad] = fold(int8_quad(s[i]));
-        }
-        for (int i = 0; i < 4; i++)
-            add_chunk(&r[i], _mm256_set_m128i(quads[i][1], quads[i][0]), ws, wo, a[i], b);
-    }
-    for (; b < blocks; b++) {
-        const int8_block w = int8_weights(row, b);
-        for (int i = 0; i < 4; i++)
-            add_block(&r[i], int8_block_sums(w, a[i].c + b * BLOCK), ws, wo, a[i], b);
-    }
-    finish_x4(r, out);
-}
+/* AVX-VNNI (VEX) and AVX-512 VNNI (EVEX, on 256-bit vectors): one `vpdpbusd` adds four
+ * products into each int32 lane. */
+#define LOOPS(name) name##_avxvnni
+#define LOOPS_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define INT4_ADD(sums, u, x) _mm256_dpbusd_avx_epi32(sums, u, x)
+#define INT4_WIDE(sums) (sums)
+#define INT8_DOT(u, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x)
+#include "native_quantized_loops.h"
 
-/* 8-bit rows [begin, end) of the weight against every activation row, each row's
- * scales and offsets one to a block in float32 (`int8_block_fields`), laid out once
- * for all activation rows. */
-AVX2 static void int8_rows_avx2(const void *a, int64_t begin, int64_t end, int part) {
-    const product_args *p = a;
-    (void)part;
-    const int64_t blocks = p->k / BLOCK;
-    float block_scales[blocks], block_offsets[blocks];
-    for (int64_t n = begin; n < end; n++) {
-        const block_fields f = int8_block_fields(p, n, 1, block_scales, block_offsets);
-        const float *ws = f.scales, *wo = f.offsets;
-        const uint8_t *row = p->codes + n * p->k;
-        int64_t m = 0;
-        for (float four[4]; m + 4 <= p->m; m += 4) {
-            int8_row_x4(p, row, ws, wo, m, four);
-            for (int r = 0; r < 4; r++) store(p, m + r, n, p->n_rows, four[r]);
-        }
-        for (; m < p->m; m++) store(p, m, n, p->n_rows, int8_row_avx2(p, row, ws, wo, m));
-    }
-}
+#define LOOPS(name) name##_avx512vnni
+#define LOOPS_TARGET __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl")))
+#define INT4_ADD(sums, u, x) _mm256_dpbusd_epi32(sums, u, x)
+#define INT4_WIDE(sums) (sums)
+#define INT8_DOT(u, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x)
+#include "native_quantized_loops.h"
+
+/* The VNNI loops with each `vpdpbusd` done by AVX2's `maddubs` and `madd` (the same
+ * integers): DECODESPEC_NATIVE_ISA=avx2-dpbusd runs them, so that every machine's tests
+ * check the VNNI loops' own code, not only the instruction. */
+#define LOOPS(name) name##_dpbusd
+#define LOOPS_TARGET AVX2
+#define INT4_ADD(sums, u, x) _mm256_add_epi32(sums, INT8_DOT(u, x))
+#define INT4_WIDE(sums) (sums)
+#define INT8_DOT(u, x) _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1))
+#include "native_quantized_loops.h"
 #endif
+
+/* The product's loops for each instruction set, best first; `runs` says whether this
+ * CPU has what they need. */
+typedef struct {
+    const char *name;
+    task_fn int4, int8;
+    int (*runs)(void);
+} product_loops;
+
+static int always(void) { return 1; }
+#if defined(__x86_64__)
+static int cpu_avx512vnni(void) {
+    return cpu_avx2() && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512vl");
+}
+static int cpu_avxvnni(void) { return cpu_avx2() && __builtin_cpu_supports("avxvnni"); }
+#endif
+
+static const product_loops PRODUCT_LOOPS[] = {
+#if defined(__x86_64__)
+    {"avx512vnni", int4_tiles_avx512vnni, int8_rows_avx512vnni, cpu_avx512vnni},
+    {"avxvnni", int4_tiles_avxvnni, int8_rows_avxvnni, cpu_avxvnni},
+    {"avx2", int4_tiles_avx2, int8_rows_avx2, cpu_avx2},
+    {"avx2-dpbusd", int4_tiles_dpbusd, int8_rows_dpbusd, cpu_avx2}, /* never chosen unasked */
+#endif
+    {"scalar", product_scalar, product_scalar, always},
+};
+#define PRODUCT_LOOPS_COUNT (sizeof PRODUCT_LOOPS / sizeof PRODUCT_LOOPS[0])
+
+/* The loops that run: those DECODESPEC_NATIVE_ISA names where this CPU runs them, else
+ * the first this CPU runs (of those chosen unasked). Chosen once a process. */
+static const product_loops *chosen_loops(void) {
+    static const product_loops *chosen = NULL;
+    if (!chosen) {
+        const char *asked = getenv("DECODESPEC_NATIVE_ISA");
+        for (size_t i = 0; i < PRODUCT_LOOPS_COUNT && !chosen; i++)
+            if (asked && strcmp(asked, PRODUCT_LOOPS[i].name) == 0 && PRODUCT_LOOPS[i].runs())
+                chosen = &PRODUCT_LOOPS[i];
+        for (size_t i = 0; i < PRODUCT_LOOPS_COUNT && !chosen; i++)
+            if (strcmp(PRODUCT_LOOPS[i].name, "avx2-dpbusd") != 0 && PRODUCT_LOOPS[i].runs())
+                chosen = &PRODUCT_LOOPS[i];
+    }
+    return chosen;
+}
+
+/* Which loops run: "avx512vnni", "avxvnni", "avx2", "avx2-dpbusd" or "scalar" (the
+ * engine's path line names it). */
+const char *quantized_isa(void) { return chosen_loops()->name; }
 
 typedef struct {
     const void *x;
@@ -844,10 +773,8 @@ int quantized_product(const uint8_t *codes, const void *scales, const void *offs
     parallel_rows(quantize_rows, &rows, m, (int)threads);
     product_args args = {codes, scales, offsets, bits, k, group, half, m, x_codes, d, d_sum,
                          y, y_bf16, n};
-    task_fn units = product_scalar;
-#if defined(__x86_64__)
-    if (has_avx2()) units = bits == 4 ? int4_tiles_avx2 : int8_rows_avx2;
-#endif
+    const product_loops *loops = chosen_loops();
+    const task_fn units = bits == 4 ? loops->int4 : loops->int8;
     if (bits == 4)
         parallel_parts(units, &args, (n + TILE_ROWS - 1) / TILE_ROWS, 1, (int)threads);
     else

@@ -117,8 +117,9 @@ def test_the_wheel_holds_only_the_decodespec_namespace(installed):
     assert "decodespec = decodespec.reference.__main__:main" in text
     # the server's viewer page is package data: `decodespec serve` answers GET / with it
     assert "decodespec/reference/static/viewer.html" in files
-    # the torch backend compiles its C sources at first use: every one of them
-    for source in native_library.SOURCES:
+    # the torch backend compiles its C sources at first use: every one of them, and what
+    # they include
+    for source in (*native_library.SOURCES, *native_library.HEADERS):
         assert f"decodespec/reference/{source.name}" in files
 
 
