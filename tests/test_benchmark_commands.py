@@ -395,7 +395,7 @@ def test_quant_benchmark_smoke(tmp_path):
 def test_versus_llama_benchmark_smoke(tmp_path):
     """Decode and prefill beside llama-cpp-python, and `decodespec serve` (its defaults)
     at 1, 4 and 16 streams; llama-server skipped, its columns empty, its targets unmeasured."""
-    from docs.tools.performance import versus_llama_section
+    from docs.tools.performance import versus_llama_sections
 
     out = tmp_path / "results" / "versus-llama-cpu.json"
     # a shell that set decodespec's wait policy: llama.cpp must not inherit it
@@ -442,9 +442,11 @@ def test_versus_llama_benchmark_smoke(tmp_path):
     assert met["decode"] in (True, False) and met["prefill"] in (True, False)
     assert "decode tok/s" in result.stdout and "not measured" in result.stdout
 
-    section = versus_llama_section(report)
+    assert report["cpu_family"].split("-")[0] in ("amd", "intel", "other")
+    section = versus_llama_sections([report])
     assert "Smoke run" in section and report["date"] in section
     assert "| serving tok/s, 16 streams (16 requests) |" in section
+    assert f"| {report['cpu_family']} ({report['device']}) |" in section  # the families' table
 
 
 def test_chunked_prefill_benchmark_smoke(tmp_path):

@@ -19,7 +19,7 @@ ATTENTION_FILE = "attention-gpu.json"
 SAMPLING_FILE = "sampling-gpu.json"
 SPECULATIVE_FILE = "cpu-speculative.json"
 SERVE_FILE = "serve-cpu.json"
-VERSUS_LLAMA_FILE = "versus-llama-cpu.json"
+VERSUS_LLAMA_FILES = "versus-llama-cpu*.json"  # one per CPU family (bench-llama)
 PREFIX_FILE = "prefix-cpu.json"
 STRUCTURED_FILE = "structured-cpu.json"
 PREFIX_FIGURE = f"{FIGURES}/ttft-prefix-cache.svg"
@@ -294,13 +294,48 @@ def peer_environment(report: dict) -> str:
     )
 
 
-def versus_llama_section(report: dict | None) -> str:
-    """decodespec against llama.cpp on the same GGUF: decode, prefill and serving."""
+def versus_llama_sections(reports: list[dict]) -> str:
+    """decodespec against llama.cpp on each CPU family measured: the ratios side by side,
+    then each family's section."""
     heading = "## Against llama.cpp on a CPU\n\n"
-    if report is None:
-        return heading + not_measured(VERSUS_LLAMA_FILE, "make bench-llama").replace(
+    if not reports:
+        return heading + not_measured(VERSUS_LLAMA_FILES, "make bench-llama").replace(
             " on a GPU", ""
         )
+    keys = ("decode", "prefill", "serving_1", "serving_4", "serving_16")
+    rows = [
+        [
+            f"{r.get('cpu_family', '?')} ({r['device']})",
+            *(ratio_cell(r["ratios"][key]) for key in keys),
+            "–"
+            if "memory_bound" not in r
+            else f"{r['memory_bound']['decodespec']['fraction_of_bound']:.0%}",
+        ]
+        for r in reports
+    ]
+    summary = (
+        "decodespec over llama.cpp per CPU family (medians of interleaved rounds; above 1, "
+        "decodespec is faster), and one-stream decode as a share of the memory bound:\n\n"
+        + table(
+            [
+                "CPU family",
+                "decode",
+                "prefill",
+                "serving 1",
+                "serving 4",
+                "serving 16",
+                "decode / bound",
+            ],
+            rows,
+        )
+        + "\n\n"
+    )
+    return heading + summary + "\n".join(versus_llama_section(r) for r in reports)
+
+
+def versus_llama_section(report: dict) -> str:
+    """decodespec against llama.cpp on the same GGUF on one CPU: decode, prefill, serving."""
+    heading = f"### {report.get('cpu_family', 'One CPU')}: {report['device']}\n\n"
     environment = cpu_environment(report)
     decode, prefill, serving = report["decode"], report["prefill"], report["serving"]
     ours = report["decodespec"]
@@ -423,7 +458,7 @@ def versus_llama_section(report: dict | None) -> str:
             ],
             latency,
         )
-        + "\n\n### Targets\n\n"
+        + "\n\n#### Targets\n\n"
         + targets_list(report["targets"])
     )
 
@@ -959,7 +994,9 @@ def performance_page(results_dir: Path = RESULTS_DIR) -> str:
         speculative_section(read_json(results_dir / SPECULATIVE_FILE)),
         serve_section(read_json(results_dir / SERVE_FILE)),
         chunked_section(read_json(results_dir / CHUNKED_FILE)),
-        versus_llama_section(read_json(results_dir / VERSUS_LLAMA_FILE)),
+        versus_llama_sections(
+            [read_json(path) for path in sorted(results_dir.glob(VERSUS_LLAMA_FILES))]
+        ),
         prefix_section(read_json(results_dir / PREFIX_FILE)),
         structured_section(read_json(results_dir / STRUCTURED_FILE)),
         quant_section(read_json(results_dir / QUANT_FILE), link=True),

@@ -1,4 +1,4 @@
-"""decodespec against llama.cpp on one GGUF: `make bench-llama` → results/versus-llama-cpu.json.
+"""decodespec against llama.cpp on one GGUF: `make bench-llama`, one results file a CPU family.
 
 One run on the bundled GGUF (SmolLM2-135M-Instruct, Q4_1 projections and a
 Q8_0 embedding), the same thread count for both (`--threads`, 2), three
@@ -55,6 +55,10 @@ of its bound: ours from the engine's weights as laid out (`decode_bytes`: every
 projection once, the output projection, one embedding row), llama.cpp's from the
 GGUF file's tensors (the tied output projection read as the embedding's Q8_0 table).
 
+The file is results/versus-llama-cpu-<family>.json (`cpu_family`: the vendor and the
+widest integer dot product, "amd-avx2", "intel-avx512vnni"), so that each family's
+run keeps its own; the Performance page shows them side by side.
+
 Targets (issue 41), reported and never fatal: decode >= 1.0x llama.cpp (the aim
 1.2x), prefill >= 1.0x, serving aggregate tokens/s at 4 and 16 streams >= 1.5x
 llama-server. `--smoke` runs every stage with a few tokens and one round (and
@@ -101,7 +105,8 @@ from tests.peers import llama_build  # noqa: E402
 from tests.serve import load  # noqa: E402 (after the environment is set)
 
 ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "results" / "versus-llama-cpu.json"
+# One file per CPU family (`cpu_family`): the Performance page shows each.
+OUT_PATTERN = "versus-llama-cpu-{family}.json"
 COMMAND = "python -m tests.benchmarks.versus_llama"
 MAKE_COMMAND = "make bench-llama"
 
@@ -894,6 +899,21 @@ def memory_bound(
     }
 
 
+def cpu_family() -> str:
+    """This CPU's family as its results file is named: the vendor and the widest integer
+    dot product it has ("amd-avx2", "intel-avx512vnni", "intel-avxvnni")."""
+    cpu = llama_build.describe()["cpu"].lower()
+    vendor = next((name for name in ("amd", "intel") if name in cpu), "other")
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    isa = ("avx512vnni" if {"avx512_vnni", "avx512vl"} <= flags else
+           "avxvnni" if "avx_vnni" in flags else
+           "avx2" if "avx2" in flags else "x86")  # fmt: skip
+    return f"{vendor}-{isa}"
+
+
 def ratios(report: dict) -> dict:
     by_level = {row["concurrency"]: row["ratio"] for row in report["serving"]["levels"]}
     return {
@@ -1010,7 +1030,12 @@ def print_table(report: dict) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT, help="results JSON file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "results" / OUT_PATTERN.format(family=cpu_family()),
+        help="results JSON file (default: results/versus-llama-cpu-<this CPU's family>.json)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="for both engines (2)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved; medians reported")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_NOTE)
@@ -1063,6 +1088,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = " ".join([COMMAND, *argv]) if argv else MAKE_COMMAND
     report = {
         **cpu_report_header("versus-llama-cpu", command, SMOKE_NOTE if args.smoke else None),
+        "cpu_family": cpu_family(),
         "software": versions(info),
         "rounds": args.rounds,
         "llama_server_build": info,
