@@ -358,19 +358,31 @@ def test_a_model_drafters_drafts_and_a_sampled_requests_bits_are_its_own(models,
     and compares softmaxes of a lone row on one thread: every draft of a sampled request
     (its tokens and the bits of its distributions) and every output bit are the same
     alone as beside requests that join at other steps."""
-    draft = convert_weights(random_weights(replace(CONFIG, num_layers=1, hidden_size=128,
-                                                   intermediate_size=256), seed=9), fmt)
+    draft = convert_weights(
+        random_weights(
+            replace(CONFIG, num_layers=1, hidden_size=128, intermediate_size=256), seed=9
+        ),
+        fmt,
+    )
 
     def engine() -> tuple[Engine, list]:
-        e = invariant_engine(weights=models[fmt], backend="torch", speculate=speculate,
-                             num_draft=3, draft_model=draft if speculate == "model" else None)
+        e = invariant_engine(
+            weights=models[fmt],
+            backend="torch",
+            speculate=speculate,
+            num_draft=3,
+            draft_model=draft if speculate == "model" else None,
+        )
         assert e.drafter.native is not None
         drafts, propose = [], e.drafter.propose
 
         def recording(requests, counts):
             proposed = propose(requests, counts)
-            drafts.extend((d.tokens, d.probs) for r, d in zip(requests, proposed, strict=True)
-                          if r.prompt_ids == REQUEST)
+            drafts.extend(
+                (d.tokens, d.probs)
+                for r, d in zip(requests, proposed, strict=True)
+                if r.prompt_ids == REQUEST
+            )
             return proposed
 
         e.drafter.propose = recording
