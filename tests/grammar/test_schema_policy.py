@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from decodespec.reference.grammar import GrammarCompiler, StructuredOutput
 from decodespec.reference.grammar_backends import BACKENDS
 from decodespec.reference.schema_policy import NEVER, REFUSED, SchemaRefused, enforceable_schema
 
@@ -85,3 +86,39 @@ def test_every_refused_keyword_has_a_value_here():
 def test_an_enforceable_definition_passes(backend, maps):
     schema = {"$ref": f"#/{maps}/x", maps: {"x": {"type": "string", "pattern": "^a+$"}}}
     enforceable_schema(schema, backend)  # no refusal
+
+
+# (schema, an integer it admits, one it rejects): at xgrammar's limits on `multipleOf`.
+MULTIPLE_OF_KEPT = [
+    ({"type": "integer", "multipleOf": 2}, 8, 7),
+    ({"type": "integer", "multipleOf": 1024}, 2048, 1025),
+    ({"type": "integer", "multipleOf": 2, "minimum": 0, "maximum": 9999}, 8, 7),
+    ({"type": "integer", "multipleOf": 2, "exclusiveMinimum": -1, "exclusiveMaximum": 9999}, 8, 7),
+]
+MULTIPLE_OF_DROPPED = [
+    {"type": "integer", "multipleOf": 2, "minimum": 0},
+    {"type": "integer", "multipleOf": 2, "exclusiveMaximum": 60},
+    {"type": "integer", "multipleOf": 2, "minimum": 0, "maximum": 10000},
+    {"type": "integer", "multipleOf": 1025},
+]
+
+
+@pytest.mark.clause("MASK-SOUND-1")
+@pytest.mark.parametrize(("schema", "valid", "invalid"), MULTIPLE_OF_KEPT)
+def test_xgrammar_enforces_every_multiple_of_the_policy_lets_through(schema, valid, invalid):
+    from tests.engine.toy import ByteTokenizer
+    from tests.grammar.schema_suite import matcher_accepts
+
+    grammars = GrammarCompiler(ByteTokenizer(), ByteTokenizer.vocab_size, "xgrammar")
+    compiled = grammars.compile(StructuredOutput.json_schema(schema, field="schema"))
+    assert matcher_accepts(grammars, compiled, str(valid))
+    assert not matcher_accepts(grammars, compiled, str(invalid)), f"{invalid} under {schema}"
+
+
+@pytest.mark.clause("MASK-SOUND-1")
+@pytest.mark.parametrize("schema", MULTIPLE_OF_DROPPED)
+def test_a_multiple_of_xgrammar_would_drop_is_refused(schema):
+    # Past these limits xgrammar drops `multipleOf` with a warning on stderr: the random
+    # walks of test_soundness.py found 7 under {"minimum": 0, "multipleOf": 2}.
+    with pytest.raises(SchemaRefused, match=r"^'multipleOf' at /: "):
+        enforceable_schema(schema, "xgrammar")
