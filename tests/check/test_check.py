@@ -12,9 +12,12 @@ without `/v1` in the URL, and stop with the URLs it tried where there is none.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
+import socket
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +26,7 @@ import pytest
 from scipy import stats
 
 from decodespec.reference import check_sampling, check_suite, cli
-from decodespec.reference.check_client import BudgetExhaustedError, Client, Exchange
+from decodespec.reference.check_client import BudgetExhaustedError, Client, Exchange, is_loopback
 from decodespec.reference.model_files import bundled_model_path
 from tests.serve import live
 
@@ -257,10 +260,107 @@ def test_the_api_key_is_sent_and_never_printed(server, capsys):
     assert "sk-secret-7" not in out.out + out.err
 
 
-def test_another_host_needs_allow_remote(capsys):
-    code = cli.main(["check", "--base-url", "http://192.0.2.1:8000/v1"])
+# ------------------------------------------------ the loopback guard, with no network
+
+# Names the guard may look up: `offline` answers them itself (no DNS query leaves);
+# None: the name does not resolve.
+NAMES = {
+    "localhost": ["127.0.0.1", "::1"],
+    "api.example": ["127.0.0.1", "192.0.2.9"],  # one address off loopback is one too many
+    "nowhere.invalid": None,
+}
+NOT_LOOPBACK = [
+    "http://192.0.2.1:8000/v1",  # TEST-NET-1 (documentation): `is_private`, not loopback
+    "http://10.0.0.7:8000",  # a private network's host
+    "http://169.254.169.254/v1",  # link-local: a cloud's metadata service
+    "http://[2001:db8::1]:8000/v1",  # IPv6 documentation
+    "http://api.example:8000/v1",  # resolves to loopback and to another host
+]
+LOOPBACK = ["http://127.0.0.1:9/v1", "http://127.8.9.10:9", "http://[::1]:9", "http://localhost:9"]
+
+
+class Offline:
+    """What `offline` refused: each attempt to connect or to look a name up."""
+
+    def __init__(self) -> None:
+        self.attempts: list[str] = []
+
+    def refuse(self, what: str) -> None:
+        self.attempts.append(what)
+        raise AssertionError(f"a network guard's test tried to {what}: nothing may leave")
+
+
+@pytest.fixture
+def offline(monkeypatch) -> Offline:
+    """No packet can leave this process: every way out (`socket.create_connection`,
+    which urllib's and http.client's connections take, and any socket's `connect` and
+    `connect_ex`) raises an AssertionError naming the address, before a packet is
+    sent; `getaddrinfo` answers IP literals and `NAMES` itself, and refuses any other
+    name the same way (a DNS query is traffic too). A broken guard then fails its test
+    where the client first tries to connect, naming the address, instead of after."""
+    state = Offline()
+
+    def create_connection(address, *args, **kwargs):
+        state.refuse(f"connect to {address!r}")
+
+    def connect(self, address):
+        state.refuse(f"connect to {address!r}")
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        host = host.decode() if isinstance(host, bytes) else host
+        try:
+            addresses = [ipaddress.ip_address(host)]
+        except ValueError:
+            if host not in NAMES:
+                state.refuse(f"look up {host!r}")
+            if NAMES[host] is None:
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known") from None
+            addresses = [ipaddress.ip_address(a) for a in NAMES[host]]
+        return [  # getaddrinfo's shape, made here: the system's resolver is never asked
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", (str(a), port or 0, 0, 0))
+            if a.version == 6
+            else (socket.AF_INET, socket.SOCK_STREAM, 6, "", (str(a), port or 0))
+            for a in addresses
+        ]
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return state
+
+
+@pytest.mark.parametrize("url", NOT_LOOPBACK)
+def test_another_host_needs_allow_remote(offline, capsys, url):
+    """`decodespec check` refuses a host off loopback before any request, with a usage
+    error naming `--allow-remote`: nothing tried to connect. With the guard broken the
+    client's first connection raises `offline`'s AssertionError naming the address."""
+    code = cli.main(["check", "--base-url", url])
     assert code == 2
     assert "--allow-remote" in capsys.readouterr().err
+    assert offline.attempts == []
+
+
+@pytest.mark.parametrize("url", NOT_LOOPBACK)
+def test_allow_remote_lets_the_client_connect_and_offline_stops_it(offline, url):
+    """With `--allow-remote` the checker goes on to connect, and `offline` stops that
+    very connection (so the test above would see a broken guard at its first attempt,
+    with nothing sent): the AssertionError names the host."""
+    host = urllib.parse.urlsplit(url).hostname
+    with pytest.raises(AssertionError, match="connect to"):
+        cli.main(["check", "--base-url", url, "--allow-remote", "--timeout", "1"])
+    assert len(offline.attempts) == 1 and host in offline.attempts[0], offline.attempts
+
+
+@pytest.mark.parametrize(("url", "loopback"), [*((u, True) for u in LOOPBACK),
+                                               *((u, False) for u in NOT_LOOPBACK),
+                                               ("http://nowhere.invalid:9", False)])  # fmt: skip
+def test_the_guard_takes_loopback_and_only_loopback(offline, url, loopback):
+    """`is_loopback`: every address the host resolves to in 127.0.0.0/8 or ::1; a host
+    with one address elsewhere is not, nor one that does not resolve. No lookup leaves
+    (`offline` answers them)."""
+    assert is_loopback(url) is loopback, url
+    assert offline.attempts == []
 
 
 def test_the_request_budget_stops_a_run():

@@ -221,3 +221,121 @@ def bundled_gguf_path() -> Path:
     from decodespec.reference.model_files import bundled_model_path
 
     return bundled_model_path()
+
+
+# ---------------------------------------------------------------------------
+# Toy models laid out as the bundled GGUF is (the default path's weights).
+# ---------------------------------------------------------------------------
+
+# The bundled SmolLM2 file: every layer projection Q4_1, the tied embedding Q8_0, the
+# norms F32. Its blocks' scales and minimums are float16 fields, so the C product holds
+# them in float16 (`cpu_linear.ActivationQuantizedLinear.half`).
+BUNDLED_PROJECTIONS = "Q4_1"
+BUNDLED_EMBEDDING = "Q8_0"
+
+_LAYER_GGUF_NAMES = {
+    "attn_norm": "attn_norm.weight", "q_proj": "attn_q.weight", "k_proj": "attn_k.weight",
+    "v_proj": "attn_v.weight", "o_proj": "attn_output.weight", "mlp_norm": "ffn_norm.weight",
+    "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight", "down_proj": "ffn_down.weight",
+    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+}  # fmt: skip
+
+
+def gguf_bytes(weight: torch.Tensor, type_name: str) -> np.ndarray:
+    """gguf-py's blocks (llama.cpp's converter's) of a float32 `[rows, columns]` weight in
+    GGUF type `type_name`: uint8 `[rows, row_bytes]`."""
+    import gguf
+
+    array = weight.detach().to(torch.float32).numpy()
+    return gguf.quants.quantize(array, gguf.GGMLQuantizationType[type_name])
+
+
+def gguf_values(weight: torch.Tensor, type_name: str) -> torch.Tensor:
+    """The float32 weights a GGUF file stores for `weight` in `type_name`, as gguf-py reads
+    its blocks back: what the file means, computed without the project's loader."""
+    import gguf
+
+    raw = gguf_bytes(weight, type_name)
+    values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def gguf_file_values(model, projections: str = BUNDLED_PROJECTIONS,
+                     embedding: str = BUNDLED_EMBEDDING):  # fmt: skip
+    """`model` (float32, from `tests.engine.toy.random_weights`) with the values a GGUF
+    file holds for it: each layer projection's those of `projections` blocks, the
+    embedding's (and a tied output projection's, the same tensor) those of `embedding`
+    blocks; norms and biases as they are (F32)."""
+    from dataclasses import replace
+
+    from decodespec.reference.weight_formats import PROJECTIONS
+
+    layers = [
+        replace(layer, **{n: gguf_values(getattr(layer, n), projections) for n in PROJECTIONS})
+        for layer in model.layers
+    ]
+    table = gguf_values(model.embedding, embedding)
+    untied = model.output is not model.embedding
+    output = gguf_values(model.output, embedding) if untied else table
+    return replace(model, embedding=table, layers=layers, output=output)
+
+
+def gguf_shaped(model, projections: str = BUNDLED_PROJECTIONS,
+                embedding: str = BUNDLED_EMBEDDING):  # fmt: skip
+    """`model` as `--weights int4` holds it when read from a GGUF file in which it is laid
+    out as the bundled one (`projections` blocks, the embedding in `embedding` blocks):
+    `convert_weights` given the file's values and its blocks, as the loader gives them.
+    Each 4-bit layer projection keeps its blocks (GGUF-GROUPS-1: float16 scales and
+    offsets); a tied output projection becomes int8 per channel of the embedding."""
+    from decodespec.reference.hf_checkpoint import layer_tensor_name
+    from decodespec.reference.weight_formats import PROJECTIONS, GGUFBlocks, convert_weights
+
+    blocks = {
+        layer_tensor_name(i, name): GGUFBlocks(
+            torch.from_numpy(gguf_bytes(getattr(layer, name), projections)),
+            projections,
+            getattr(layer, name).shape[1],
+        )
+        for i, layer in enumerate(model.layers)
+        for name in PROJECTIONS
+    }
+    values = gguf_file_values(model, projections, embedding)
+    return convert_weights(values, "int4", gguf_blocks=blocks)
+
+
+def write_toy_gguf(path: Path, model, projections: str = BUNDLED_PROJECTIONS,
+                   embedding: str = BUNDLED_EMBEDDING) -> Path:  # fmt: skip
+    """A `llama` GGUF file of a toy `model` (`tests.engine.toy.random_weights`) laid out as
+    the bundled one: layer projections in `projections` blocks, Q and K rows permuted as
+    llama.cpp's converter writes them, the embedding in `embedding` blocks (an untied
+    output projection too), norms and biases F32; no tokenizer."""
+    from types import SimpleNamespace
+
+    c = model.config
+    tensors, quantize = {"token_embd.weight": model.embedding.numpy()}, {}
+    quantize["token_embd.weight"] = embedding
+    for index, layer in enumerate(model.layers):
+        for field, suffix in _LAYER_GGUF_NAMES.items():
+            value = getattr(layer, field)
+            if value is None:
+                continue
+            array, name = value.detach().numpy(), f"blk.{index}.{suffix}"
+            if field in ("q_proj", "q_bias"):
+                array = llama_cpp_permute(array, c.num_heads)
+            elif field in ("k_proj", "k_bias"):
+                array = llama_cpp_permute(array, c.num_kv_heads)
+            tensors[name] = array
+            if value.dim() == 2:
+                quantize[name] = projections
+    tensors["output_norm.weight"] = model.final_norm.numpy()
+    if model.output is not model.embedding:
+        tensors["output.weight"] = model.output.numpy()
+        quantize["output.weight"] = embedding
+    config = SimpleNamespace(
+        num_hidden_layers=c.num_layers, max_position_embeddings=c.max_context,
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rope_parameters={"rope_theta": c.rope_theta},
+        rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
+    )  # fmt: skip
+    return write_gguf(path, "llama", config, tensors, quantize=quantize)

@@ -28,12 +28,13 @@ from decodespec.reference import cpu_linear, native_attention, native_library, n
 from decodespec.reference.backend import prepare_for_torch
 from decodespec.reference.engine import Engine
 from decodespec.reference.native_step import NativeStep, unsupported
-from decodespec.reference.weight_formats import convert_weights
+from decodespec.reference.weight_formats import convert_weights, map_quantized
 from decodespec.spec.append import append_kv as spec_append_kv
 from decodespec.spec.attention import paged_attention as spec_paged_attention
 from decodespec.spec.forward import PagedBatch, cached_hidden_states, rms_norm
 from decodespec.spec.params import SamplingParams
 from decodespec.spec.registry import RELATIVE
+from tests.engine import checkpoints
 from tests.engine.toy import ByteTokenizer, random_weights, small_config
 from tests.test_harness import run_suite
 
@@ -101,25 +102,17 @@ def assert_close(actual, expected, what):
     assert err <= BF16_RTOL * scale, f"{what}: max |native − spec| {err:.3g}, scale {scale:.3g}"
 
 
-@settings(max_examples=25, deadline=None)
-@given(
-    passes(),
-    st.sampled_from(["int4", "int8", "float32"]),
-    st.booleans(),
-    st.integers(0, 2**16),
-)
-def test_native_step_is_cached_hidden_states(case, fmt, bias, seed):
-    """Hidden states and cache writes of `NativeStep` equal the spec's decoder on the
-    same packed weights (FWD-CACHE-1, APPEND-SLOT-1, APPEND-SKIP-1, ATTN-EMPTY-1)."""
+def assert_step_is_the_spec(weights, case, seed: int, what: str) -> None:
+    """`NativeStep(weights)` on the pass `case` (of `passes()`) against the spec's decoder
+    on the same weights: hidden states, cache writes, and the slots not written."""
     paged, num_blocks, block_size = case
-    weights = packed_model(fmt, seed=seed % 7, attention_bias=bias)
     g = torch.Generator().manual_seed(seed)
     token_ids = torch.randint(0, weights.config.vocab_size, paged.positions.shape, generator=g)
     spec_cache = empty_cache(weights, num_blocks, block_size, seed)
     native_cache = [(k.clone(), v.clone()) for k, v in spec_cache]
     expected = cached_hidden_states(weights, token_ids, paged, spec_cache)
     actual = NativeStep(weights)(token_ids, paged, native_cache)
-    reproduce = f"fmt={fmt} bias={bias} seed={seed} {paged}"
+    reproduce = f"{what} seed={seed} {paged}"
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, reproduce
     assert_close(actual, expected, f"hidden states ({reproduce})")
     for (k, v), (k_ref, v_ref) in zip(native_cache, spec_cache, strict=True):
@@ -129,6 +122,74 @@ def test_native_step_is_cached_hidden_states(case, fmt, bias, seed):
         untouched[paged.slot_mapping[paged.slot_mapping >= 0]] = False
         flat = k.view(num_blocks * block_size, -1)
         assert torch.equal(flat[untouched], k_ref.view_as(flat)[untouched]), reproduce
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    passes(),
+    st.sampled_from(["int4", "int8", "float32"]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_native_step_is_cached_hidden_states(case, fmt, bias, seed):
+    """Hidden states and cache writes of `NativeStep` equal the spec's decoder on the
+    same packed weights (FWD-CACHE-1, APPEND-SLOT-1, APPEND-SKIP-1, ATTN-EMPTY-1).
+    Random weights: their scales and offsets are float32 values (held in float32);
+    `test_native_step_is_cached_hidden_states_on_gguf_shaped_weights` takes the
+    float16 ones of a GGUF file."""
+    weights = packed_model(fmt, seed=seed % 7, attention_bias=bias)
+    assert_step_is_the_spec(weights, case, seed, f"fmt={fmt} bias={bias}")
+
+
+def step_kernels(weights) -> list[object]:
+    """The products `NativeStep` runs, layer by layer: Q/K/V, O, gate/up, down."""
+    return [kernel for layer in weights.layers
+            for kernel in (layer.q_proj.shared.kernel, layer.o_proj,
+                           layer.gate_proj.shared.kernel, layer.down_proj)]  # fmt: skip
+
+
+def with_float16_scales(weights):
+    """int8 per channel whose scales are float16 values, as Q8_0's are (held in
+    float16: the table's 8-bit path with its flag set)."""
+    return map_quantized(weights, lambda w: dataclasses.replace(w, scales=w.scales.half().float()))
+
+
+# How the default path holds a GGUF file's projections: 4-bit blocks kept as the file has
+# them (Q4_1: the bundled file's, offsets its minimums; Q4_0: offsets -8d), the tied
+# embedding's Q8_0 values; and 8-bit codes with float16 scales. Every product's scales and
+# offsets are float16 values: the C product holds them in float16 (`half`).
+GGUF_SHAPED = {
+    "Q4_1": lambda model: checkpoints.gguf_shaped(model, "Q4_1"),
+    "Q4_0": lambda model: checkpoints.gguf_shaped(model, "Q4_0"),
+    "int8, float16 scales": lambda model: with_float16_scales(convert_weights(model, "int8")),
+}
+_GGUF_MODELS: dict[tuple[str, bool, int], object] = {}
+
+
+def gguf_shaped_model(layout: str, bias: bool, seed: int) -> object:
+    """`packed_model`'s toy (tied embedding) laid out as `GGUF_SHAPED[layout]`, packed for
+    the torch backend; one per arguments (quantizing through gguf-py takes a while)."""
+    key = (layout, bias, seed)
+    if key not in _GGUF_MODELS:
+        base = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                    head_dim=16, max_context=64)  # fmt: skip
+        config = small_config(**base, attention_bias=bias, tie_word_embeddings=True)
+        _GGUF_MODELS[key] = prepare_for_torch(GGUF_SHAPED[layout](random_weights(config, seed)))
+    return _GGUF_MODELS[key]
+
+
+@pytest.mark.parametrize("layout", sorted(GGUF_SHAPED))
+@settings(max_examples=10, deadline=None)
+@given(case=passes(), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_native_step_is_cached_hidden_states_on_gguf_shaped_weights(layout, case, bias, seed):
+    """The same on the weights the default path runs (`make run`, `decodespec serve`):
+    a GGUF file's float16 scales and offsets, which the C product holds in float16 and
+    reads by the flag the step's table passes it (the random weights above never have
+    it set). Every product here has it set, checked first: a layout that lost it would
+    test nothing new."""
+    weights = gguf_shaped_model(layout, bias, seed % 3)
+    assert all(kernel.half for kernel in step_kernels(weights)), layout
+    assert_step_is_the_spec(weights, case, seed, f"layout={layout} bias={bias}")
 
 
 @settings(max_examples=20, deadline=None)
