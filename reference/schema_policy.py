@@ -18,6 +18,7 @@ accepted schemas and validates every completed string.
 
 from __future__ import annotations
 
+import re
 from urllib.parse import unquote
 
 # Keywords that never change whether an instance is valid (annotations, identifiers).
@@ -81,7 +82,10 @@ NEVER = frozenset(
 #   these are refused here first, with their place;
 # - xgrammar drops `allOf`, reads `oneOf` as `anyOf`, ignores a type's keywords in a
 #   schema without "type", drops the length bounds beside a `pattern` or a `format`, and
-#   its length-bounded strings take raw control characters.
+#   its length-bounded strings take raw control characters. Found by the soundness tests
+#   instead: it drops an integer `multipleOf` beside a bound on one side, a pattern's `X?`
+#   can spell a part of X, and a lookahead is ignored (`_xgrammar_pattern` rewrites the
+#   one and refuses the other).
 REFUSED = {
     "llguidance": frozenset({"oneOf", "propertyNames"}),
     "xgrammar": frozenset(
@@ -131,7 +135,8 @@ class SchemaRefused(ValueError):
 def enforceable_schema(schema: object, backend: str) -> object:
     """The schema to give `backend`: `schema` itself, or with each `format` of
     FORMAT_PATTERNS as its pattern and, for xgrammar, the "type" that a schema without
-    one implies (only a type's keywords; admitting less is sound). Raises
+    one implies (only a type's keywords; admitting less is sound) and each pattern's
+    `?` written `{0,1}` (`_xgrammar_pattern`: the same language). Raises
     `SchemaRefused` for the first keyword `backend` would not enforce whole.
 
     Example:
@@ -225,8 +230,8 @@ def _format(node: dict, backend: str, where: str) -> None:
 
 
 def _xgrammar_node(node: dict, where: str) -> None:
-    """xgrammar's gaps inside one schema: an implied type made explicit, and the
-    combinations it drops refused."""
+    """xgrammar's gaps inside one schema: an implied type made explicit, a pattern
+    written as it enforces it, and the combinations it drops refused."""
     if "type" not in node:
         implied = [t for t, keywords in TYPE_KEYWORDS.items() if keywords & node.keys()]
         if len(implied) > 1:
@@ -234,21 +239,101 @@ def _xgrammar_node(node: dict, where: str) -> None:
             raise _refuse(keyword, where, "xgrammar needs a 'type' beside keywords of two types")
         if implied:
             node["type"] = implied[0]
+    if isinstance(node.get("pattern"), str):
+        node["pattern"] = _xgrammar_pattern(node["pattern"], where)
     for bound in ("minLength", "maxLength"):
         if bound in node and "pattern" in node:
             raise _refuse(bound, where, "with 'pattern' (or a date/time format): xgrammar drops it")
         if bound in node:
             # Its bounded strings take raw control characters (a tab), which JSON refuses.
             raise _refuse(bound, where, "xgrammar's length-bounded strings are not always JSON")
-    if "multipleOf" in node and not (
-        node.get("type") == "integer" and isinstance(node["multipleOf"], int)
-    ):
-        raise _refuse("multipleOf", where, "xgrammar enforces integer ones on integers only")
+    if "multipleOf" in node:
+        _xgrammar_multiple_of(node, where)
     missing = [name for name in node.get("required", ()) if name not in node.get("properties", {})]
     if missing:
         raise _refuse(
             "required", where, f"{missing[0]!r} is not in 'properties': xgrammar drops it"
         )
+
+
+# The integer `multipleOf` xgrammar enforces: up to this, beside no bound or a range of at
+# most this many integers; elsewhere it drops the keyword with a warning on stderr
+# (cpp/json_schema_converter.cc; the random walks found `7` under minimum 0, multipleOf 2).
+XGRAMMAR_MULTIPLE_OF_MAX = 1024
+XGRAMMAR_MULTIPLE_OF_RANGE_MAX = 10000
+
+
+def _xgrammar_multiple_of(node: dict, where: str) -> None:
+    """Refuses a `multipleOf` that xgrammar would drop."""
+    multiple = node["multipleOf"]
+    if node.get("type") != "integer" or not isinstance(multiple, int):
+        raise _refuse("multipleOf", where, "xgrammar enforces integer ones on integers only")
+    if multiple > XGRAMMAR_MULTIPLE_OF_MAX:
+        raise _refuse("multipleOf", where, f"over {XGRAMMAR_MULTIPLE_OF_MAX}: xgrammar drops it")
+    lows = [node[k] for k in ("minimum", "exclusiveMinimum") if k in node]
+    highs = [node[k] for k in ("maximum", "exclusiveMaximum") if k in node]
+    # Bounds a <= b with b - a < N hold at most N integers, fractional ones too.
+    if (lows or highs) and not (
+        lows and highs and min(highs) - max(lows) < XGRAMMAR_MULTIPLE_OF_RANGE_MAX
+    ):
+        raise _refuse(
+            "multipleOf",
+            where,
+            "with a bound on one side only, or over "
+            f"{XGRAMMAR_MULTIPLE_OF_RANGE_MAX} integers between its bounds: xgrammar drops it",
+        )
+
+
+# A bounded repeat (`{2}`, `{1,}`, `{1,9}`); a `{` that starts none is a literal brace.
+_REPEAT = re.compile(r"\{[0-9]+(,[0-9]*)?\}")
+
+
+def _xgrammar_pattern(pattern: str, where: str) -> str:
+    """`pattern` as xgrammar enforces it: each `?` quantifier written `{0,1}`, and a
+    lookahead refused.
+
+    xgrammar compiles a schema's pattern into an automaton (not through the regex
+    converter that its `compile_regex` uses), where `X?` is X's automaton plus an
+    empty move from X's start state to one of its end states
+    (`FSMWithStartEnd::Optional`, cpp/fsm.cc). Where X loops back into its start
+    or on from that end state, a path may loop and then take the move, spelling
+    what X does not: `(a+b)?` admits "a", `(ab+)?` admits "b", and `time`'s
+    `(\\.[0-9]{1,9})?` admitted a fraction without its dot
+    ("22:14:2890986486Z", issue 64). Its `{0,1}` adds a fresh start state
+    instead, which admits X or nothing. A lookahead it ignores, with a warning
+    on stderr.
+
+    The scan reads ECMA-262: `\\` escapes the next character, a class runs from
+    `[` to the first unescaped `]`, and a `?` after `(` or after a quantifier is a
+    group modifier or makes it lazy (the same language), so it stays."""
+    out: list[str] = []
+    in_class = False
+    quantifiable = False  # the last thing written is an atom a quantifier may follow
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            out.append(pattern[i : i + 2])
+            quantifiable = not in_class
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+            quantifiable = not in_class
+        elif char == "[":
+            in_class = True
+        elif char == "(" and pattern.startswith(("(?=", "(?!"), i):
+            raise _refuse("pattern", where, f"{pattern!r}: xgrammar ignores a lookahead")
+        elif char == "?" and quantifiable:
+            char, quantifiable = "{0,1}", False
+        elif char == "{" and (repeat := _REPEAT.match(pattern, i)):
+            char, quantifiable = repeat.group(), False
+            i = repeat.end() - 1
+        else:
+            quantifiable = char not in "(|^$*+?"
+        out.append(char)
+        i += 1
+    return "".join(out)
 
 
 def _escape(name: str) -> str:

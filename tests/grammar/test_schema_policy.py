@@ -93,7 +93,7 @@ MULTIPLE_OF_KEPT = [
     ({"type": "integer", "multipleOf": 2}, 8, 7),
     ({"type": "integer", "multipleOf": 1024}, 2048, 1025),
     ({"type": "integer", "multipleOf": 2, "minimum": 0, "maximum": 9999}, 8, 7),
-    ({"type": "integer", "multipleOf": 2, "exclusiveMinimum": -1, "exclusiveMaximum": 9999}, 8, 7),
+    ({"type": "integer", "multipleOf": 2, "exclusiveMinimum": -1, "exclusiveMaximum": 9998}, 8, 7),
 ]
 MULTIPLE_OF_DROPPED = [
     {"type": "integer", "multipleOf": 2, "minimum": 0},
