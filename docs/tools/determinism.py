@@ -1,6 +1,7 @@
 """The Determinism page's measured sections, from `results/determinism*.json`
 (`make bench-determinism`, `tests/benchmarks/determinism.py`) and
-`results/invariance-cost-cpu.json` (`make bench-invariance`), and its matrix of
+`results/invariance-cost-cpu.json` and `results/invariance-mode-cost-cpu.json`
+(`make bench-invariance`), and its matrix of
 which implementations, ours and the peers', meet the batch-invariance clauses,
 from `results/peers.json` (`make peers`)."""
 
@@ -18,8 +19,10 @@ FILES = (
     "determinism-llama-server-cpu.json",
 )
 COST_FILE = "invariance-cost-cpu.json"
+MODE_COST_FILE = "invariance-mode-cost-cpu.json"
 TABLE_MARKER = "{{ determinism_table }}"
 COST_MARKER = "{{ determinism_cost }}"
+MODE_COST_MARKER = "{{ mode_cost }}"
 MATRIX_MARKER = "{{ invariance_matrix }}"
 # The clauses the conformance suite's invariance checker tests
 # (tests/conformance/test_batch_invariance.py, and verification's batch test).
@@ -72,6 +75,25 @@ def cost_table(cost: dict | None) -> str:
     )
 
 
+def mode_cost_table(cost: dict | None) -> str:
+    """Per configuration the mode is for and measure: off, on (medians), on / off."""
+    if not cost:
+        return "Not measured yet: run `make bench-invariance`."
+    lines = ["| backend, weights | measure | off | mode | mode / off |", "|---|---|---|---|---|"]
+    for name, sides in cost["configurations"].items():
+        shown = name.replace("auto", "int4 (the file's)")
+        for measure, off in sides["off"].items():
+            lines.append(
+                f"| {shown} | {measure} | {off:.2f} | {sides['mode'][measure]:.2f} | "
+                f"{sides['mode_relative'][measure]:.2f}x |"
+            )
+    return "\n".join(lines) + (
+        f"\n\n*{cost['machine']}; medians of {cost['rounds']} interleaved rounds, each "
+        "measurement in its own process; mode / off > 1 is better (times inverted); "
+        "`make bench-invariance`.*"
+    )
+
+
 def _cell(entry: dict | None) -> str:
     if entry is None:
         return "not run"
@@ -117,5 +139,6 @@ def fill(markdown: str, results_dir: Path = ROOT / "results") -> str:
     return (
         markdown.replace(TABLE_MARKER, phases_table(runs))
         .replace(COST_MARKER, cost_table(_json(results_dir / COST_FILE)))
+        .replace(MODE_COST_MARKER, mode_cost_table(_json(results_dir / MODE_COST_FILE)))
         .replace(MATRIX_MARKER, matrix)
     )

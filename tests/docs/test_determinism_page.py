@@ -16,6 +16,7 @@ def run(server: str, bitwise: int) -> dict:
 
 def test_the_page_has_both_markers_and_the_hook_fills_them():
     assert determinism.TABLE_MARKER in PAGE and determinism.COST_MARKER in PAGE
+    assert determinism.MODE_COST_MARKER in PAGE
     filled = determinism.fill(PAGE)
     assert "{{" not in filled
 
@@ -54,10 +55,31 @@ def test_the_cost_table_has_before_and_after_per_format_and_measure(tmp_path):
     assert "*AMD EPYC; medians of 3 interleaved rounds" in filled
 
 
+def test_the_mode_cost_table_has_off_and_on_per_configuration_and_measure(tmp_path):
+    cost = {
+        "machine": "AMD EPYC",
+        "rounds": 3,
+        "configurations": {
+            "spec, auto": {
+                "off": {"decode, 1 stream (tokens/s)": 2.0, "prefill, 500 tokens (s)": 4.0},
+                "mode": {"decode, 1 stream (tokens/s)": 1.6, "prefill, 500 tokens (s)": 12.0},
+                "mode_relative": {
+                    "decode, 1 stream (tokens/s)": 0.8,
+                    "prefill, 500 tokens (s)": 0.333,
+                },
+            }
+        },
+    }
+    (tmp_path / determinism.MODE_COST_FILE).write_text(json.dumps(cost))
+    filled = determinism.fill(PAGE, tmp_path)
+    row = "| spec, int4 (the file's) | prefill, 500 tokens (s) | 4.00 | 12.00 | 0.33x |"
+    assert row in filled
+
+
 def test_without_results_the_page_says_how_to_measure(tmp_path):
     filled = determinism.fill(PAGE, tmp_path)
     assert "Not measured yet: run `make bench-determinism`" in filled
-    assert "Not measured yet: run `make bench-invariance`" in filled
+    assert filled.count("Not measured yet: run `make bench-invariance`") == 2
 
 
 def test_the_invariance_matrix_has_ours_first_and_each_peer_that_ran(tmp_path):
